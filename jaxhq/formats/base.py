@@ -1,0 +1,144 @@
+"""The quantizer base class and the pytrees that carry quantized data.
+
+Layout contract (every GEMM operand is K-major, blocks along its last axis): a tensor is flattened to 2D
+[M, K]. Its rowwise storage quantizes along K and keeps data [M, K]; its columnwise storage is the rowwise
+quantization of the transpose, data [K, M], blocks along M.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+ROWWISE, COLUMNWISE = "rowwise", "columnwise"
+USAGES = (ROWWISE, COLUMNWISE)
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+class QuantizationError(ValueError):
+    """A tensor that a quantizer cannot take (rank, dtype, shape); the message names all three."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantizer:
+    """How to quantize one copy of a tensor. Frozen and hashable: static under jit.
+
+    Subclasses implement `quantize_2d` (blocks along the last axis of a 2D array) and `dequantize_2d`.
+    """
+
+    name = "quantizer"
+    stateful = False
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+    def quantize_2d(self, x2d, axis: str, *, key=None, state=None, amax=None) -> "Storage":
+        raise NotImplementedError
+
+    def dequantize_2d(self, s: "Storage"):
+        raise NotImplementedError
+
+    def check_shape(self, rows: int, cols: int, axis: str) -> None:
+        """Raise QuantizationError when a [rows, cols] copy cannot be quantized by this format."""
+
+    def __str__(self) -> str:
+        return self.label
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """One copy of a quantized tensor: data, inverse scales and (per-tensor formats) the amax.
+
+    `shape` is the logical 2D shape of this copy ([M, K] rowwise, [K, M] columnwise).
+    """
+
+    data: Any
+    scale_inv: Any = None
+    amax: Any = None
+    quantizer: Quantizer = dataclasses.field(default=None, metadata=dict(static=True))
+    axis: str = dataclasses.field(default=ROWWISE, metadata=dict(static=True))
+    shape: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+
+    def dequantize(self):
+        """float32 values in this copy's layout, with any transform (RHT) undone."""
+        return self.quantizer.dequantize_2d(self)
+
+    @property
+    def format(self) -> str:
+        return self.quantizer.label
+
+    def nbytes(self) -> int:
+        return sum(int(a.size) * a.dtype.itemsize for a in (self.data, self.scale_inv, self.amax) if a is not None)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QTensor:
+    """A quantized tensor: optional rowwise and columnwise storages, the logical shape and original dtype."""
+
+    rowwise: Optional[Storage] = None
+    columnwise: Optional[Storage] = None
+    shape: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    dtype: Any = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def shape2d(self) -> tuple:
+        return (math.prod(self.shape[:-1]), self.shape[-1])
+
+    def get(self, axis: str) -> Storage:
+        s = getattr(self, axis)
+        if s is None:
+            raise ValueError(f"quantized tensor of shape {self.shape} has no {axis} copy")
+        return s
+
+    def dequantize(self, axis: Optional[str] = None):
+        """The logical tensor in its original dtype, from the rowwise copy (or the columnwise one)."""
+        if axis is None:
+            axis = ROWWISE if self.rowwise is not None else COLUMNWISE
+        x2d = self.get(axis).dequantize()
+        if axis == COLUMNWISE:
+            x2d = x2d.T
+        return x2d.reshape(self.shape).astype(self.dtype)
+
+
+def check_input(x, quantizer) -> None:
+    if x.ndim < 2:
+        raise QuantizationError(
+            f"cannot quantize a tensor of shape {tuple(x.shape)} (rank {x.ndim}) with {quantizer}: rank >= 2 needed")
+    if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+        raise QuantizationError(
+            f"cannot quantize a tensor of shape {tuple(x.shape)} and dtype {x.dtype} with {quantizer}: "
+            "float32, bfloat16 or float16 needed")
+
+
+def pad_last(x, multiple: int):
+    """Zero-pad the last axis to a multiple (zeros never change an amax)."""
+    n = x.shape[-1]
+    pad = (-n) % multiple
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * (x.ndim - 1) + [(0, pad)]
+    return jnp.pad(x, widths)
+
+
+def pad_to(x, rows_multiple: int, cols_multiple: int):
+    rpad, cpad = (-x.shape[0]) % rows_multiple, (-x.shape[1]) % cols_multiple
+    if rpad == 0 and cpad == 0:
+        return x
+    return jnp.pad(x, ((0, rpad), (0, cpad)))
+
+
+def block_amax(x2d, block: int):
+    """Max |x| per 1 x block block of a 2D float32 array padded to a block multiple: [rows, cols/block]."""
+    rows, cols = x2d.shape
+    return jnp.max(jnp.abs(x2d.reshape(rows, cols // block, block)), axis=-1)
+
+
+def expand_blocks(scale, block: int, cols: int):
+    """Repeat per-block values along the last axis and cut to `cols`."""
+    return jnp.repeat(scale, block, axis=-1)[..., :cols]

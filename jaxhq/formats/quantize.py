@@ -1,0 +1,113 @@
+"""`quantize` and `dequantize`: the entry points that turn an array into a QTensor with the copies asked for.
+
+Gradients: `quantize` stops them (its outputs are codes, not differentiable values), so
+`dequantize(quantize(x))` has a zero gradient; `fake_quantize` is the straight-through version, whose
+gradient is the identity. Training gets its gradients from the dense op's custom_vjp, not from here.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+from .base import COLUMNWISE, ROWWISE, USAGES, QTensor, QuantizationError, Quantizer, check_input
+from .hybrid import Hybrid, side
+
+Usage = Union[str, Iterable[str]]
+
+
+def normalize(quantizer: Quantizer) -> Quantizer:
+    """Hybrid(Q, Q) -> Q, so the two are the same computation (and the same bits) everywhere."""
+    if isinstance(quantizer, Hybrid) and quantizer.rowwise == quantizer.columnwise:
+        return quantizer.rowwise
+    return quantizer
+
+
+def normalize_usage(usage: Usage) -> tuple:
+    usage = (usage,) if isinstance(usage, str) else tuple(usage)
+    bad = [u for u in usage if u not in USAGES]
+    if bad or not usage:
+        raise ValueError(f"usage must be a non-empty subset of {USAGES}, got {usage}")
+    return tuple(u for u in USAGES if u in usage)
+
+
+def init_state(quantizer: Quantizer):
+    """Initial state of a stateful quantizer (delayed scaling), None for stateless ones.
+
+    For a Hybrid with a stateful side: {"rowwise": ..., "columnwise": ...} with the stateful sides only.
+    """
+    q = normalize(quantizer)
+    if isinstance(q, Hybrid):
+        st = {a: side(q, a).init_state() for a in USAGES if side(q, a).stateful}
+        return st or None
+    return q.init_state() if q.stateful else None
+
+
+def _side_state(q: Quantizer, state, axis: str):
+    if isinstance(q, Hybrid):
+        return None if state is None else state.get(axis)
+    return state
+
+
+def update_state(quantizer: Quantizer, state, qt: QTensor):
+    """The next state of a stateful quantizer after `qt` was quantized with `state` (amax from qt)."""
+    q = normalize(quantizer)
+    if state is None:
+        return None
+    if isinstance(q, Hybrid):
+        return {a: side(q, a).update_state(st, _amax_of(qt, a)) for a, st in state.items()}
+    return q.update_state(state, _amax_of(qt, None))
+
+
+def _amax_of(qt: QTensor, axis: Optional[str]):
+    if axis is None:
+        axis = ROWWISE if qt.rowwise is not None else COLUMNWISE
+    return qt.get(axis).amax
+
+
+def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=None, amax=None) -> QTensor:
+    """Quantize `x` (rank >= 2, leading dims flattened into rows) into the copies named by `usage`.
+
+    key: jax.random key for stochastic rounding; state: delayed-scaling state (see `init_state`);
+    amax: a precomputed (e.g. mesh-reduced) per-tensor amax of x, used by per-tensor formats' copies.
+    """
+    if not isinstance(quantizer, Quantizer):
+        raise TypeError(f"quantize needs a Quantizer, got {quantizer!r}")
+    check_input(x, quantizer)
+    usage = normalize_usage(usage)
+    q = normalize(quantizer)
+    x = jax.lax.stop_gradient(x)
+    x2d = x.reshape(-1, x.shape[-1])
+    m, k = x2d.shape
+    copies = {}
+    for axis in usage:
+        sq = side(q, axis)
+        arr = x2d if axis == ROWWISE else x2d.T
+        sq.check_shape(*arr.shape, axis)
+        sk = None if key is None else jax.random.fold_in(key, USAGES.index(axis))
+        copies[axis] = sq.quantize_2d(arr, axis, key=sk, state=_side_state(q, state, axis), amax=amax)
+    return QTensor(rowwise=copies.get(ROWWISE), columnwise=copies.get(COLUMNWISE),
+                   shape=tuple(x.shape), dtype=jnp.dtype(x.dtype))
+
+
+def dequantize(qt: QTensor, axis: Optional[str] = None):
+    return qt.dequantize(axis)
+
+
+@jax.custom_vjp
+def _ste(x, y):
+    return y
+
+
+_ste.defvjp(lambda x, y: (y, None), lambda _, g: (g, jnp.zeros_like(g)))
+
+
+def fake_quantize(x, quantizer: Quantizer, axis: str = ROWWISE, **kw):
+    """dequantize(quantize(x)) through one copy, with a straight-through (identity) gradient."""
+    y = quantize(x, quantizer, (axis,), **kw).dequantize(axis)
+    return _ste(x, y)
+
+
+__all__ = ["quantize", "dequantize", "fake_quantize", "init_state", "update_state", "normalize",
+           "QuantizationError"]

@@ -1,0 +1,123 @@
+"""The quantized dense op `y = x @ w (+ b)` with a custom VJP whose three GEMMs read their own copies.
+
+forward  y  = rowwise(x)  . rowwise(w)
+dgrad    dx = rowwise(dy) . columnwise(w)
+wgrad    dw = columnwise(x) . columnwise(dy)
+
+The kernel is in Flax layout [in, out]; it is quantized as w.T ([out, in]) so every GEMM operand is K-major.
+The forward saves only the columnwise copies (never x or w in high precision unless their slot is Identity).
+Delayed-scaling state: the input and weight states are updated by the forward (returned), the grad_output
+state through the gradient: the cotangent returned for `states["grad_output"]` is its new value.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from ..formats import COLUMNWISE, ROWWISE, QTensor, quantize, update_state
+from ..recipes import DenseQuantizers
+from .gemm import gemm
+
+SLOTS = ("input", "weight", "grad_output")
+
+
+@jax.tree_util.register_static
+class _Meta(tuple):
+    """Shapes and dtypes the backward needs, kept as static pytree data in the residuals."""
+
+
+def _check(x, kernel, bias, qs: DenseQuantizers):
+    where = f" (module {qs.role('input').name})" if qs.roles else ""
+    if kernel.ndim != 2:
+        raise ValueError(f"dense{where}: kernel must be 2D [in, out], got shape {tuple(kernel.shape)}")
+    if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
+        raise ValueError(f"dense{where}: x of shape {tuple(x.shape)} does not match kernel of shape "
+                         f"{tuple(kernel.shape)}: x's last axis must equal the kernel's first")
+    if bias is not None and bias.shape != (kernel.shape[1],):
+        raise ValueError(f"dense{where}: bias of shape {tuple(bias.shape)} does not match {kernel.shape[1]} outputs")
+
+
+def _keys(key):
+    if key is None:
+        return None, None, None
+    return tuple(jax.random.fold_in(key, i) for i in range(3))
+
+
+def _quantize(t, qs: DenseQuantizers, slot: str, usage, key, state):
+    q = getattr(qs, slot)
+    try:
+        return quantize(t, q, usage, key=key, state=state)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{slot} of {qs.role(slot) or 'dense'}: {e}") from None
+
+
+def _new_state(qs, slot, state, qt):
+    return None if state is None else update_state(getattr(qs, slot), state, qt)
+
+
+def _forward(x, kernel, bias, states, key, qs: DenseQuantizers, usage_x, usage_w):
+    x2d = x.reshape(-1, x.shape[-1])
+    kx, kw, _ = _keys(key)
+    qx = _quantize(x2d, qs, "input", usage_x, kx, states.get("input"))
+    qw = _quantize(kernel.T, qs, "weight", usage_w, kw, states.get("weight"))
+    y = gemm(qx.rowwise, qw.rowwise, x.dtype, name="forward", roles=(qs.role("input"), qs.role("weight")),
+             fallback=qs.allow_dequantized_fallback)
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
+    y = y.reshape(*x.shape[:-1], kernel.shape[1])
+    new = {"input": _new_state(qs, "input", states.get("input"), qx),
+           "weight": _new_state(qs, "weight", states.get("weight"), qw)}
+    return y, new, qx, qw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _dense(x, kernel, bias, states, key, qs):
+    y, new, _, _ = _forward(x, kernel, bias, states, key, qs, (ROWWISE,), (ROWWISE,))
+    return y, new
+
+
+def _dense_fwd(x, kernel, bias, states, key, qs):
+    y, new, qx, qw = _forward(x, kernel, bias, states, key, qs, (ROWWISE, COLUMNWISE), (ROWWISE, COLUMNWISE))
+    saved_x = QTensor(columnwise=qx.columnwise, shape=qx.shape, dtype=qx.dtype)
+    saved_w = QTensor(columnwise=qw.columnwise, shape=qw.shape, dtype=qw.dtype)
+    meta = _Meta((x.shape, x.dtype, kernel.dtype, None if bias is None else bias.dtype))
+    return (y, new), (saved_x, saved_w, states, key, meta)
+
+
+def _dense_bwd(qs, res, cts):
+    saved_x, saved_w, states_in, key, (x_shape, x_dtype, k_dtype, b_dtype) = res
+    dy_state = states_in.get("grad_output")
+    dy = cts[0]
+    dy2d = dy.reshape(-1, dy.shape[-1])
+    _, _, kdy = _keys(key)
+    qdy = _quantize(dy2d, qs, "grad_output", (ROWWISE, COLUMNWISE), kdy, dy_state)
+    dx = gemm(qdy.rowwise, saved_w.columnwise, x_dtype, name="dgrad",
+              roles=(qs.role("grad_output"), qs.role("weight")), fallback=qs.allow_dequantized_fallback)
+    dw = gemm(saved_x.columnwise, qdy.columnwise, k_dtype, name="wgrad",
+              roles=(qs.role("input"), qs.role("grad_output")), fallback=qs.allow_dequantized_fallback)
+    db = None if b_dtype is None else jnp.sum(dy2d.astype(jnp.float32), axis=0).astype(b_dtype)
+    # "The gradient is the new state": the cotangent of the grad_output state is its next value.
+    d_states = {k: jax.tree.map(jnp.zeros_like, v) for k, v in states_in.items()}
+    if "grad_output" in d_states:
+        d_states["grad_output"] = _new_state(qs, "grad_output", dy_state, qdy)
+    return dx.reshape(x_shape), dw, db, d_states, None
+
+
+_dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def dense(x, kernel, bias=None, *, quantizers: DenseQuantizers, states: Optional[dict] = None, key=None,
+          return_state: bool = False):
+    """Quantized `x @ kernel + bias` for x of any rank (leading dims are tokens), output in x's dtype.
+
+    quantizers: one per slot (input, weight, grad_output). states: {slot: delayed-scaling state} for the
+    stateful slots. key: jax.random key for stochastic rounding. With return_state, returns
+    (y, {"input": .., "weight": ..}) where the forward-slot states are the next ones.
+    """
+    _check(x, kernel, bias, quantizers)
+    states = dict(states or {})
+    y, new = _dense(x, kernel, bias, states, key, quantizers)
+    return (y, new) if return_state else y

@@ -1,0 +1,105 @@
+"""The GEMM dispatch table: (format of A, format of B, platform) -> implementation of A @ B.T.
+
+Both operands are storages laid out K-major (data [M, K] and [N, K], blocks along K). The CPU entries are
+exact: dequantize to fp32 and `dot_general` with fp32 accumulation (Identity pairs are a plain dot in the
+input dtype, so the bf16 recipe is bit-identical to `x @ w`). GPU kernels register themselves in the same
+table. A pair with no entry raises at trace time, naming the GEMM, both roles and both formats, unless the
+caller allows the dequantized fallback.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..formats import Storage
+from ..formats.nvfp4 import NVFP4
+
+TN = (((1,), (1,)), ((), ()))  # contract the last axis of both operands
+_TABLE: dict = {}
+
+
+class GemmError(TypeError):
+    pass
+
+
+def family(s: Storage) -> str:
+    """The format family a kernel is written for ("fp8" covers current and delayed, E4M3 and E5M2)."""
+    return {"fp8_delayed": "fp8"}.get(s.quantizer.name, s.quantizer.name)
+
+
+def register(fa: str, fb: str, fn: Callable, platform: str = "any") -> None:
+    """Register `fn(a, b, out_dtype) -> a @ b.T` for the (fa, fb) pair on a platform ("cpu", "gpu", "any")."""
+    _TABLE[(fa, fb, platform)] = fn
+
+
+def lookup(fa: str, fb: str, platform: str) -> Optional[Callable]:
+    return _TABLE.get((fa, fb, platform)) or _TABLE.get((fa, fb, "any"))
+
+
+def dequantized_dot(a: Storage, b: Storage, out_dtype):
+    """Exact reference: dequantize both operands to fp32, contract with fp32 accumulation."""
+    if isinstance(a.quantizer, NVFP4) and isinstance(b.quantizer, NVFP4) and \
+            a.quantizer.uses_rht(a.axis) and b.quantizer.uses_rht(b.axis):
+        av, bv = a.quantizer.dequantize_transformed(a), b.quantizer.dequantize_transformed(b)  # RHT cancels
+    else:
+        av, bv = a.dequantize(), b.dequantize()
+    out = lax.dot_general(av, bv, TN, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+def identity_dot(a: Storage, b: Storage, out_dtype):
+    """Both operands in high precision: the plain dot XLA would run for `x @ w`."""
+    return lax.dot_general(a.data, b.data, TN).astype(out_dtype)
+
+
+def mixed_identity_dot(a: Storage, b: Storage, out_dtype):
+    """One operand in high precision: dequantize the other to its dtype and run a plain dot."""
+    hp = a if a.quantizer.name == "identity" else b
+    dt = hp.data.dtype
+    av = a.data if a is hp else a.dequantize().astype(dt)
+    bv = b.data if b is hp else b.dequantize().astype(dt)
+    return lax.dot_general(av, bv, TN, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def fp8_gpu_dot(a: Storage, b: Storage, out_dtype):
+    """FP8 per-tensor on GPU: the dequantize-then-dot pattern XLA rewrites into one cuBLASLt FP8 GEMM with
+    device-side scales (no fp32 copy of the operands is materialised)."""
+    cdt = jnp.bfloat16 if out_dtype == jnp.float32 else out_dtype
+    av = a.data.astype(cdt) * a.scale_inv.astype(cdt)
+    bv = b.data.astype(cdt) * b.scale_inv.astype(cdt)
+    return lax.dot_general(av, bv, TN, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+QUANTIZED = ("fp8", "mxfp8", "nvfp4", "fp8_block")
+for _f in QUANTIZED:
+    register(_f, _f, dequantized_dot)
+    register("identity", _f, mixed_identity_dot)
+    register(_f, "identity", mixed_identity_dot)
+register("identity", "identity", identity_dot)
+
+
+def platform() -> str:
+    return "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu"
+
+
+def gemm(a: Storage, b: Storage, out_dtype, *, name: str = "gemm", roles=(None, None), fallback: bool = False):
+    """A @ B.T through the dispatch table; `name` (forward/dgrad/wgrad) and roles only label errors."""
+    if a.shape[1] != b.shape[1]:
+        raise GemmError(f"{name} GEMM: contraction sizes differ: A {a.shape} ({a.format}, role {roles[0]}) and "
+                        f"B {b.shape} ({b.format}, role {roles[1]})")
+    fa, fb = family(a), family(b)
+    fn = lookup(fa, fb, platform())
+    if fn is None:
+        if not fallback:
+            raise GemmError(
+                f"{name} GEMM has no implementation for A = {a.format} (role {roles[0]}) x B = {b.format} "
+                f"(role {roles[1]}) on {platform()}; choose matching formats for these roles or build the recipe "
+                "with allow_dequantized_fallback=True")
+        fn = dequantized_dot
+    return fn(a, b, out_dtype)
+
+
+register("fp8", "fp8", fp8_gpu_dot, platform="gpu")

@@ -1,0 +1,57 @@
+"""`jaxhq.plan`: the table of every quantized slot with its role and the formats of its two copies."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+from .formats import COLUMNWISE, ROWWISE, side
+from .recipes import CustomRecipe, get
+from .roles import QuantizerRole
+
+# Which GEMM reads each copy, per tensor type (DESIGN section 3).
+READERS = {"input": ("forward", "wgrad"), "weight": ("forward", "dgrad"), "grad_output": ("dgrad", "wgrad")}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    role: QuantizerRole
+    rowwise: str
+    columnwise: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    recipe: str
+    rows: tuple
+
+    def __str__(self) -> str:
+        head = ("module", "tensor", "type", "rowwise (reader)", "columnwise (reader)")
+        body = []
+        for r in self.rows:
+            rd = READERS.get(r.role.tensor_type, ("", ""))
+            body.append((r.role.name, r.role.tensor_type, r.role.module_type,
+                         f"{r.rowwise} ({rd[0]})" if rd[0] else r.rowwise,
+                         f"{r.columnwise} ({rd[1]})" if rd[1] else r.columnwise))
+        widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
+        fmt = "  ".join("{:<%d}" % w for w in widths)
+        lines = [f"recipe: {self.recipe}", fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+        lines += [fmt.format(*row) for row in body]
+        return "\n".join(lines)
+
+    def formats(self) -> dict:
+        return {r.role: (r.rowwise, r.columnwise) for r in self.rows}
+
+
+def plan(recipe, roles_or_model: Iterable[QuantizerRole] = (), *example_inputs) -> Plan:
+    """Plan of a recipe over a list of roles, or over a Flax model traced with `example_inputs`."""
+    rec: CustomRecipe = get(recipe)
+    if hasattr(roles_or_model, "apply"):
+        from .layers.introspect import model_roles
+        roles = model_roles(roles_or_model, rec, *example_inputs)
+    else:
+        roles = list(roles_or_model)
+    rows = []
+    for role in roles:
+        q = rec.quantizer(role)
+        rows.append(PlanRow(role, side(q, ROWWISE).label, side(q, COLUMNWISE).label))
+    return Plan(rec.name, tuple(rows))
