@@ -133,10 +133,16 @@ def pad_to(x, rows_multiple: int, cols_multiple: int):
     return jnp.pad(x, ((0, rpad), (0, cpad)))
 
 
+def abs_max(x, axis=None):
+    """max |x| that is NaN when any element is NaN (XLA's max reduction may drop NaNs)."""
+    a = jnp.abs(x)
+    return jnp.where(jnp.any(jnp.isnan(a), axis=axis), jnp.asarray(jnp.nan, a.dtype), jnp.max(a, axis=axis))
+
+
 def block_amax(x2d, block: int):
-    """Max |x| per 1 x block block of a 2D float32 array padded to a block multiple: [rows, cols/block]."""
+    """Max |x| per 1 x block block of a 2D array padded to a block multiple: [rows, cols/block]."""
     rows, cols = x2d.shape
-    return jnp.max(jnp.abs(x2d.reshape(rows, cols // block, block)), axis=-1)
+    return abs_max(x2d.reshape(rows, cols // block, block), axis=-1)
 
 
 def expand_blocks(scale, block: int, cols: int):

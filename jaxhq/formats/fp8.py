@@ -10,12 +10,12 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from .base import ROWWISE, Quantizer, Storage
+from .base import ROWWISE, Quantizer, Storage, abs_max
 from .casts import FP8_MAX, fp8_dtype, pow2_floor, saturating_fp8
 
 
 def tensor_amax(x2d):
-    return jnp.max(jnp.abs(x2d)).astype(jnp.float32)
+    return abs_max(x2d).astype(jnp.float32)
 
 
 def scale_from_amax(amax, fmt: str, eps: float = 0.0, power_2: bool = False):

@@ -11,7 +11,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from .base import ROWWISE, QuantizationError, Quantizer, Storage, block_amax, pad_to
+from .base import ROWWISE, QuantizationError, Quantizer, Storage, abs_max, block_amax, pad_to
 from .casts import FP8_MAX, saturating_fp8
 from .fp8 import scale_from_amax
 
@@ -41,7 +41,7 @@ class Float8Block(Quantizer):
         prow, pcol = xp.shape
         amax_b = block_amax(xp, bc)
         if br > 1:
-            amax_b = amax_b.reshape(prow // br, br, pcol // bc).max(axis=1)
+            amax_b = abs_max(amax_b.reshape(prow // br, br, pcol // bc), axis=1)
         scale = scale_from_amax(amax_b, self.fmt, 0.0, self.power_2_scale)
         full = jnp.repeat(jnp.repeat(scale, br, axis=0), bc, axis=1)
         data = saturating_fp8(xp * full, self.fmt)[:rows, :cols]

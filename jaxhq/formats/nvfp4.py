@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .base import COLUMNWISE, ROWWISE, QuantizationError, Quantizer, Storage, block_amax, expand_blocks, pad_to
+from .base import (COLUMNWISE, ROWWISE, QuantizationError, Quantizer, Storage, abs_max, block_amax, expand_blocks,
+                   pad_to)
 from .casts import E2M1_MAX, e2m1_codes, e2m1_codes_stochastic, e2m1_decode, pack_nibbles, unpack_nibbles
 
 NV_BLOCK = 16
@@ -87,7 +88,7 @@ class NVFP4(Quantizer):
         if self.uses_rht(axis):
             x = apply_rht(x)
         if amax is None:
-            amax = jnp.max(jnp.abs(x))
+            amax = abs_max(x)
         amax = amax.astype(jnp.float32)
         genc = global_encode(amax)
 
@@ -95,7 +96,7 @@ class NVFP4(Quantizer):
         prow, pcol = xp.shape
         amax_b = block_amax(xp, NV_BLOCK)  # [prow, pcol/16]
         if self.block_2d:
-            tiles = amax_b.reshape(prow // NV_BLOCK, NV_BLOCK, pcol // NV_BLOCK).max(axis=1)
+            tiles = abs_max(amax_b.reshape(prow // NV_BLOCK, NV_BLOCK, pcol // NV_BLOCK), axis=1)
             amax_b = jnp.repeat(tiles, NV_BLOCK, axis=0)
         decode = jnp.minimum(amax_b / jnp.float32(E2M1_MAX) * genc, jnp.float32(E4M3_MAX)).astype(jnp.float8_e4m3fn)
         dec32 = decode.astype(jnp.float32)
