@@ -1,0 +1,244 @@
+"""The dense op, recipes and GEMM dispatch: each GEMM reads the copies the design gives it (checked against a
+float64 numpy reference of those dequantized copies), hybrid bit-identity, residuals, errors."""
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxhq
+from jaxhq import recipes
+from jaxhq.formats import (COLUMNWISE, MXFP8, NVFP4, ROWWISE, Float8CurrentScaling, Hybrid, Identity, init_state,
+                           quantize)
+from jaxhq.ops.dense import _dense_fwd
+from jaxhq.ops.gemm import GemmError
+from jaxhq.recipes import CustomRecipe, DenseQuantizers
+from jaxhq.roles import QuantizerRole, gemm_roles
+
+NAMED = ["bf16", "fp8_current", "fp8_delayed", "mxfp8", "nvfp4", "fp8_block", "hybrid:mxfp8:nvfp4"]
+M, K, N = 48, 256, 128  # M a multiple of 16 (RHT on the wgrad operands), not of 32 (partial MX blocks)
+
+
+def rand(seed, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(dtype)
+
+
+def states_for(qs):
+    return {s: init_state(getattr(qs, s)) for s in ("input", "weight", "grad_output") if getattr(qs, s).stateful}
+
+
+def f64(a):
+    return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+def reference(x, w, b, g, qs, key, states):
+    """y, dx, dw, db from the copies each GEMM is specified to read, multiplied in float64 numpy."""
+    kx, kw, kdy = (jax.random.fold_in(key, i) for i in range(3))
+    qx = quantize(x, qs.input, key=kx, state=states.get("input"))
+    qw = quantize(w.T, qs.weight, key=kw, state=states.get("weight"))
+    qdy = quantize(g, qs.grad_output, key=kdy, state=states.get("grad_output"))
+    d = lambda qt, axis: f64(qt.get(axis).dequantize())  # noqa: E731
+    y = d(qx, ROWWISE) @ d(qw, ROWWISE).T + f64(b)
+    dx = d(qdy, ROWWISE) @ d(qw, COLUMNWISE).T
+    dw = d(qx, COLUMNWISE) @ d(qdy, COLUMNWISE).T
+    return y, dx, dw, f64(g).sum(0)
+
+
+def run_dense(x, w, b, g, qs, key, states):
+    def loss(x, w, b):
+        return jnp.sum(jaxhq.dense(x, w, b, quantizers=qs, states=states, key=key) * g)
+
+    y = jax.jit(lambda x, w, b: jaxhq.dense(x, w, b, quantizers=qs, states=states, key=key))(x, w, b)
+    return (y,) + jax.jit(jax.grad(loss, (0, 1, 2)))(x, w, b)
+
+
+def rel(a, b):
+    return np.linalg.norm(f64(a) - b) / np.linalg.norm(b)
+
+
+HYBRID_PAIRS = {"mxfp8/nvfp4": (MXFP8(), NVFP4()), "fp8/identity": (Float8CurrentScaling(), Identity()),
+                "nvfp4/mxfp8": (NVFP4(), MXFP8()), "identity/fp8": (Identity(), Float8CurrentScaling("e5m2"))}
+
+
+def hybrid_qs(a, b):
+    h = Hybrid(a, b)
+    return DenseQuantizers(h, h, b, allow_dequantized_fallback=True)
+
+
+CASES = {n: recipes.get(n).dense_quantizers("net.fc") for n in NAMED}
+CASES.update({k: hybrid_qs(*v) for k, v in HYBRID_PAIRS.items()})
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gemms_read_the_specified_copies(case):
+    qs = CASES[case]
+    x, w, b, g = rand(1, (M, K)), rand(2, (K, N)) * 0.1, rand(3, (N,)), rand(4, (M, N))
+    key, states = jax.random.PRNGKey(5), states_for(qs)
+    got = run_dense(x, w, b, g, qs, key, states)
+    want = reference(x, w, b, g, qs, key, states)
+    # fp32 accumulation of K <= 256 exact-format products against float64: ~1e-6 relative.
+    for name, a, r in zip(("y", "dx", "dw", "db"), got, want):
+        assert a.dtype == jnp.float32
+        assert rel(a, r) < 1e-5, (case, name, rel(a, r))
+
+
+@pytest.mark.parametrize("name", NAMED[:-1])
+def test_hybrid_of_same_is_bit_identical_to_plain(name):
+    plain = recipes.get(name)
+    same = CustomRecipe(lambda role: Hybrid(plain.quantizer(role), plain.quantizer(role)), name="same")
+    qa, qb = plain.dense_quantizers("m"), same.dense_quantizers("m")
+    x, w, b, g = rand(6, (M, K), jnp.bfloat16), rand(7, (K, N), jnp.bfloat16), rand(8, (N,), jnp.bfloat16), rand(
+        9, (M, N), jnp.bfloat16)
+    key = jax.random.PRNGKey(0)
+    for u, v in zip(run_dense(x, w, b, g, qa, key, states_for(qa)), run_dense(x, w, b, g, qb, key, states_for(qb))):
+        np.testing.assert_array_equal(np.asarray(u).view(np.uint16), np.asarray(v).view(np.uint16))
+
+
+def test_bf16_recipe_is_plain_matmul_bit_for_bit():
+    qs = recipes.bf16().dense_quantizers("m")
+    x, w, b, g = rand(10, (2, 24, K), jnp.bfloat16), rand(11, (K, N), jnp.bfloat16), rand(12, (N,), jnp.bfloat16), \
+        rand(13, (2, 24, N), jnp.bfloat16)
+    ours = run_dense(x, w, b, g, qs, None, {})
+    plain_y = jax.jit(lambda x, w, b: x @ w + b)(x, w, b)
+    plain_g = jax.jit(jax.grad(lambda x, w, b: jnp.sum((x @ w + b) * g), (0, 1, 2)))(x, w, b)
+    for u, v in zip(ours[:3], (plain_y,) + plain_g[:2]):  # y, dx, dw
+        assert u.dtype == v.dtype and u.shape == v.shape
+        np.testing.assert_array_equal(np.asarray(u).view(np.uint16), np.asarray(v).view(np.uint16))
+    # db: jaxhq sums dy in fp32 (then rounds once to bf16) where plain JAX accumulates in bf16.
+    exact = f64(g).reshape(-1, N).sum(0)
+    assert np.abs(f64(ours[3]) - exact).max() <= np.abs(f64(plain_g[2]) - exact).max()
+    np.testing.assert_allclose(f64(ours[3]), exact, rtol=2 ** -8, atol=2 ** -8 * np.abs(exact).max())
+
+
+@pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "nvfp4", "fp8_block", "hybrid:mxfp8:nvfp4"])
+def test_residuals_hold_no_high_precision_copy(name):
+    qs = recipes.get(name).dense_quantizers("m")
+    x, w = rand(14, (M, K), jnp.bfloat16), rand(15, (K, N), jnp.bfloat16)
+    _, res = _dense_fwd(x, w, None, {}, jax.random.PRNGKey(0), qs, None)
+    leaves = jax.tree.leaves(res)
+    hp = [a for a in leaves if a.dtype in (jnp.bfloat16, jnp.float32) and a.size >= min(M * K, K * N)]
+    assert not hp, [(a.dtype, a.shape) for a in hp]
+    saved = [a for a in leaves if a.ndim == 2]
+    assert saved, "the columnwise copies must be saved"
+
+
+def test_identity_slot_saves_its_input():
+    qs = DenseQuantizers(Hybrid(MXFP8(), Identity()), MXFP8(), MXFP8())
+    x, w = rand(16, (M, K), jnp.bfloat16), rand(17, (K, N), jnp.bfloat16)
+    _, res = _dense_fwd(x, w, None, {}, None, qs, None)
+    assert any(a.dtype == jnp.bfloat16 and a.shape == (K, M) for a in jax.tree.leaves(res))
+
+
+def test_factory_sees_exactly_the_roles_the_op_emits():
+    seen = collections.Counter()
+
+    def factory(role):
+        seen[role] += 1
+        return MXFP8()
+
+    rec = CustomRecipe(factory)
+    for name in ("a.fc1", "a.fc2", "a.fc1"):
+        rec.dense_quantizers(name)
+    assert set(seen) == set(gemm_roles("a.fc1").values()) | set(gemm_roles("a.fc2").values())
+    assert all(v == 1 for v in seen.values()), "the factory is asked once per role"
+    assert collections.Counter(r.tensor_type for r in seen) == {"input": 2, "weight": 2, "grad_output": 2}
+
+
+def test_works_under_vmap_scan_remat():
+    qs = recipes.mxfp8().dense_quantizers("m")
+    x, w = rand(18, (3, 32, 64)), rand(19, (64, 32))
+    f = lambda x, w: jaxhq.dense(x, w, quantizers=qs)  # noqa: E731
+    # same quantized operands; only the fp32 summation order of a batched dot may differ
+    np.testing.assert_allclose(np.asarray(jax.vmap(f, (0, None))(x, w)), np.asarray(f(x, w)), rtol=1e-6, atol=1e-5)
+
+    def scanned(w):
+        return jax.lax.scan(lambda c, xi: (c + jnp.sum(jax.checkpoint(f)(xi, w)), None), 0.0, x)[0]
+
+    g_scan = jax.grad(scanned)(w)
+    g_loop = jax.grad(lambda w: sum(jnp.sum(f(x[i], w)) for i in range(3)))(w)
+    np.testing.assert_allclose(np.asarray(g_scan), np.asarray(g_loop), rtol=1e-6, atol=1e-6)
+
+
+def test_delayed_scaling_states_update_forward_and_through_gradient():
+    rec = recipes.fp8_delayed(history_len=8)
+    qs = rec.dense_quantizers("m")
+    st = states_for(qs)
+    x, w, g = rand(20, (M, K)), rand(21, (K, N)), rand(22, (M, N))
+
+    def loss(x, w, st):
+        y, new = jaxhq.dense(x, w, quantizers=qs, states=st, return_state=True)
+        return jnp.sum(y * g), new
+
+    (_, new), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, st)
+    assert float(new["input"]["amax_history"][0]) == float(jnp.max(jnp.abs(x)))
+    assert float(new["weight"]["amax_history"][0]) == float(jnp.max(jnp.abs(w)))
+    go = grads[2]["grad_output"]
+    assert float(go["amax_history"][0]) == float(jnp.max(jnp.abs(g)))
+    np.testing.assert_allclose(float(go["scale"]), 57344.0 / float(jnp.max(jnp.abs(g))), rtol=1e-6)
+
+
+def test_grouped_dense_equals_per_group_dense_with_mixed_quantizers():
+    sizes = (20, 0, 44, 32)
+    qsets = [recipes.mxfp8().dense_quantizers("e0"), recipes.fp8_current().dense_quantizers("e1"),
+             hybrid_qs(MXFP8(), NVFP4()), recipes.bf16().dense_quantizers("e3")]
+    x = rand(23, (sum(sizes), 64))
+    ws = rand(24, (4, 64, 32))
+    g = rand(25, (sum(sizes), 32))
+    loss = lambda x, ws: jnp.sum(jaxhq.grouped_dense(x, ws, jnp.asarray(sizes), quantizers=qsets) * g)  # noqa
+    y = jaxhq.grouped_dense(x, ws, jnp.asarray(sizes), quantizers=qsets)
+    dx, dws = jax.grad(loss, (0, 1))(x, ws)
+    start = 0
+    for i, s in enumerate(sizes):
+        if s == 0:
+            np.testing.assert_array_equal(np.asarray(dws[i]), 0)
+            continue
+        sl = slice(start, start + s)
+        yi = jaxhq.dense(x[sl], ws[i], quantizers=qsets[i])
+        dxi, dwi = jax.grad(lambda a, b: jnp.sum(jaxhq.dense(a, b, quantizers=qsets[i]) * g[sl]), (0, 1))(x[sl], ws[i])
+        np.testing.assert_allclose(np.asarray(y[sl]), np.asarray(yi), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(dx[sl]), np.asarray(dxi), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(dws[i]), np.asarray(dwi), rtol=1e-5, atol=1e-5)
+        start += s
+
+
+# ---------------------------------------------------------------- errors
+
+def test_factory_returning_none_names_the_role():
+    rec = CustomRecipe(lambda role: None if role.tensor_type == "weight" else MXFP8(), name="mine")
+    with pytest.raises(TypeError, match=r"linear/weight@blk\.fc.*return Identity\(\)"):
+        rec.dense_quantizers("blk.fc")
+    with pytest.raises(TypeError, match="not a quantizer"):
+        CustomRecipe(lambda role: "mxfp8").dense_quantizers("x")
+
+
+def test_mismatched_pair_raises_naming_gemm_roles_and_formats():
+    rec = CustomRecipe(lambda r: NVFP4() if r.tensor_type == "grad_output" else MXFP8(), name="mixed")
+    qs = rec.dense_quantizers("blk.fc")
+    x, w = rand(26, (M, K)), rand(27, (K, N))
+    with pytest.raises(GemmError, match=r"dgrad GEMM.*nvfp4.*grad_output@blk\.fc.*mxfp8_e4m3.*weight@blk\.fc"):
+        jax.grad(lambda x: jnp.sum(jaxhq.dense(x, w, quantizers=qs)))(x)
+    ok = CustomRecipe(rec.qfactory, name="mixed", allow_dequantized_fallback=True).dense_quantizers("blk.fc")
+    assert np.isfinite(float(jax.grad(lambda x: jnp.sum(jaxhq.dense(x, w, quantizers=ok)))(x).sum()))
+
+
+def test_shape_errors():
+    qs = recipes.mxfp8().dense_quantizers("blk.fc")
+    with pytest.raises(ValueError, match=r"kernel must be 2D.*\(4, 4, 4\)"):
+        jaxhq.dense(jnp.ones((4, 4)), jnp.ones((4, 4, 4)), quantizers=qs)
+    with pytest.raises(ValueError, match=r"blk\.fc.*\(8, 32\).*\(64, 16\)"):
+        jaxhq.dense(jnp.ones((8, 32)), jnp.ones((64, 16)), quantizers=qs)
+    with pytest.raises(ValueError, match=r"input of linear/input@blk\.fc.*multiple of 16"):
+        jax.grad(lambda x: jnp.sum(jaxhq.dense(x, jnp.ones((32, 16)), quantizers=recipes.nvfp4().dense_quantizers(
+            "blk.fc"), key=jax.random.PRNGKey(0))))(jnp.ones((10, 32)))
+
+
+def test_plan_lists_every_slot_with_both_formats():
+    roles = [r for n in ("mlp.fc1", "mlp.fc2") for r in gemm_roles(n).values()]
+    p = jaxhq.plan(recipes.hybrid("mxfp8", "nvfp4"), roles)
+    text = str(p)
+    assert text.count("mlp.fc") == 6
+    f = p.formats()
+    assert f[QuantizerRole("linear", "input", "mlp.fc1")] == ("mxfp8_e4m3", "nvfp4_rht")
+    assert f[QuantizerRole("linear", "weight", "mlp.fc2")] == ("mxfp8_e4m3", "nvfp4_2d")
+    assert f[QuantizerRole("linear", "grad_output", "mlp.fc2")] == ("nvfp4_rht_sr", "nvfp4_rht_sr")
