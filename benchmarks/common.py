@@ -1,0 +1,56 @@
+"""Shared helpers for the benchmarks: argument parsing, JSON output, a printed table, device timing."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import jax
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", default=None, help="JSON file to write (default: benchmarks/results/<name>.json)")
+    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    return p
+
+
+def write_json(name: str, rows: list, out: str | None = None, **extra) -> str:
+    out = out or os.path.join(os.path.dirname(__file__), "results", f"{name}.json")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    meta = {"benchmark": name, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
+            "jax": jax.__version__, "python": platform.python_version()}
+    with open(out, "w") as f:
+        json.dump({"meta": meta | extra, "rows": rows}, f, indent=2)
+    return out
+
+
+def print_table(rows: list, columns: list) -> None:
+    cells = [[c for c in columns]] + [[_fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    for j, row in enumerate(cells):
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def time_fn(fn, *args, warmup: int = 3, iters: int = 20) -> float:
+    """Median seconds of fn(*args), synchronised on the device after each call."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return ts[len(ts) // 2]
