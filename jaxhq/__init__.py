@@ -9,3 +9,6 @@ from .recipes import (CustomRecipe, DenseQuantizers, bf16, fp8_block, fp8_curren
 from .roles import QuantizerRole
 
 __version__ = "0.1.0"
+
+from . import layers  # noqa: E402  (after the ops and recipes it builds on)
+from .layers import quantize_model  # noqa: E402

@@ -1,0 +1,68 @@
+"""LayerNormMLP: norm -> fc1 -> activation (gelu, silu, or gated swiglu/geglu) -> fc2, both GEMMs quantized.
+
+fc1 and fc2 are jaxhq Dense modules ("<path>.fc1", "<path>.fc2"). The fc1-output/fc2-input boundary is the
+fc2 `input` role, used once: fc1's output slot is wired to it and fc2 quantizes the activation; the same for
+the gradient (fc2's grad-input boundary is fc1's grad_output role). Gated activations double fc1's width
+and split it in halves: act(first half) * second half.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ..recipes import CustomRecipe
+from ..roles import QuantizerRole, gemm_roles
+from .common import child_path, make_norm
+from .dense import Dense, default_kernel_init
+
+ACTIVATIONS = {"gelu": (jax.nn.gelu, False), "silu": (jax.nn.silu, False), "relu": (jax.nn.relu, False),
+               "swiglu": (jax.nn.silu, True), "geglu": (jax.nn.gelu, True)}
+
+
+def activate(h, activation: str):
+    """Apply a (possibly gated) activation to fc1's output."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; expected one of {tuple(ACTIVATIONS)}")
+    fn, gated = ACTIVATIONS[activation]
+    if not gated:
+        return fn(h)
+    a, b = jnp.split(h, 2, axis=-1)
+    return fn(a) * b
+
+
+def is_gated(activation: str) -> bool:
+    return ACTIVATIONS[activation][1]
+
+
+class LayerNormMLP(nn.Module):
+    """Pre-norm MLP block (no residual): fc2(act(fc1(norm(x)))); `norm=None` skips the norm."""
+
+    d_ff: int
+    recipe: CustomRecipe
+    activation: str = "gelu"
+    norm: Optional[str] = "layernorm"
+    epsilon: float = 1e-6
+    use_bias: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Any = default_kernel_init
+    output_role: Optional[QuantizerRole] = None
+    grad_input_role: Optional[QuantizerRole] = None
+
+    @nn.compact
+    def __call__(self, x):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {self.activation!r}; expected one of {tuple(ACTIVATIONS)}")
+        fc1_roles, fc2_roles = gemm_roles(child_path(self, "fc1")), gemm_roles(child_path(self, "fc2"))
+        h = make_norm(self.norm, self.epsilon, self.dtype, self.param_dtype)(x) if self.norm else x
+        width = self.d_ff * (2 if is_gated(self.activation) else 1)
+        common = dict(recipe=self.recipe, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
+                      kernel_init=self.kernel_init)
+        h = Dense(width, kernel_axes=("embed", "mlp"), output_role=fc2_roles["input"],
+                  grad_input_role=self.grad_input_role, name="fc1", **common)(h)
+        h = activate(h, self.activation)
+        return Dense(x.shape[-1], kernel_axes=("mlp", "embed"), output_role=self.output_role,
+                     grad_input_role=fc1_roles["grad_output"], name="fc2", **common)(h)
