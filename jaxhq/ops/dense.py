@@ -8,6 +8,9 @@ The kernel is in Flax layout [in, out]; it is quantized as w.T ([out, in]) so ev
 The forward saves only the columnwise copies (never x or w in high precision unless their slot is Identity).
 Delayed-scaling state: the input and weight states are updated by the forward (returned), the grad_output
 state through the gradient: the cotangent returned for `states["grad_output"]` is its new value.
+Sharding (FSDP): with `weight_sharding` (jaxhq.sharding.WeightSharding) the weight is quantized per shard and
+its copies gathered as quantized bytes, the rowwise one for the forward, the columnwise one again in the
+backward (the residual stays sharded, as FSDP frees gathered weights); see jaxhq/sharding/gather.py.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from ..formats import COLUMNWISE, ROWWISE, QTensor, quantize, update_state
 from ..recipes import DenseQuantizers
@@ -58,12 +62,15 @@ def _new_state(qs, slot, state, qt):
     return None if state is None else update_state(getattr(qs, slot), state, qt)
 
 
-def _forward(x, kernel, bias, states, key, qs: DenseQuantizers, usage_x, usage_w):
+def _forward(x, kernel, bias, states, key, qs: DenseQuantizers, usage_x, usage_w, wsh=None):
     x2d = x.reshape(-1, x.shape[-1])
     kx, kw, _ = _keys(key)
     qx = _quantize(x2d, qs, "input", usage_x, kx, states.get("input"))
     qw = _quantize(kernel.T, qs, "weight", usage_w, kw, states.get("weight"))
-    y = gemm(qx.rowwise, qw.rowwise, x.dtype, name="forward", roles=(qs.role("input"), qs.role("weight")),
+    if wsh is not None:  # sharding hook: keep the quantized copies sharded like the kernel
+        qw = wsh.shard(qw)
+    w_fwd = qw.rowwise if wsh is None else wsh.gathered(qw.rowwise)  # all-gather of quantized bytes
+    y = gemm(qx.rowwise, w_fwd, x.dtype, name="forward", roles=(qs.role("input"), qs.role("weight")),
              fallback=qs.allow_dequantized_fallback)
     if bias is not None:
         y = y + bias.astype(y.dtype)
@@ -73,31 +80,42 @@ def _forward(x, kernel, bias, states, key, qs: DenseQuantizers, usage_x, usage_w
     return y, new, qx, qw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _dense(x, kernel, bias, states, key, qs):
-    y, new, _, _ = _forward(x, kernel, bias, states, key, qs, (ROWWISE,), (ROWWISE,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _dense(x, kernel, bias, states, key, qs, wsh):
+    y, new, _, _ = _forward(x, kernel, bias, states, key, qs, (ROWWISE,), (ROWWISE,), wsh)
     return y, new
 
 
-def _dense_fwd(x, kernel, bias, states, key, qs):
-    y, new, qx, qw = _forward(x, kernel, bias, states, key, qs, (ROWWISE, COLUMNWISE), (ROWWISE, COLUMNWISE))
+QUANTIZED_RESIDUAL = "jaxhq_quantized_residual"  # the checkpoint name of the copies the backward GEMMs read
+
+
+def _dense_fwd(x, kernel, bias, states, key, qs, wsh):
+    y, new, qx, qw = _forward(x, kernel, bias, states, key, qs, (ROWWISE, COLUMNWISE), (ROWWISE, COLUMNWISE),
+                              wsh)
     saved_x = QTensor(columnwise=qx.columnwise, shape=qx.shape, dtype=qx.dtype)
     saved_w = QTensor(columnwise=qw.columnwise, shape=qw.shape, dtype=qw.dtype)
+    # Named so that a remat policy can keep exactly these (the quantized copies) and recompute the rest.
+    saved_x, saved_w = jax.tree.map(lambda v: checkpoint_name(v, QUANTIZED_RESIDUAL), (saved_x, saved_w))
     meta = _Meta((x.shape, x.dtype, kernel.dtype, None if bias is None else bias.dtype))
     return (y, new), (saved_x, saved_w, states, key, meta)
 
 
-def _dense_bwd(qs, res, cts):
+def _dense_bwd(qs, wsh, res, cts):
     saved_x, saved_w, states_in, key, (x_shape, x_dtype, k_dtype, b_dtype) = res
     dy_state = states_in.get("grad_output")
     dy = cts[0]
     dy2d = dy.reshape(-1, dy.shape[-1])
     _, _, kdy = _keys(key)
     qdy = _quantize(dy2d, qs, "grad_output", (ROWWISE, COLUMNWISE), kdy, dy_state)
-    dx = gemm(qdy.rowwise, saved_w.columnwise, x_dtype, name="dgrad",
+    w_col = saved_w.columnwise if wsh is None else wsh.gathered(saved_w.columnwise)  # re-gathered (FSDP)
+    dx = gemm(qdy.rowwise, w_col, x_dtype, name="dgrad",
               roles=(qs.role("grad_output"), qs.role("weight")), fallback=qs.allow_dequantized_fallback)
-    dw = gemm(saved_x.columnwise, qdy.columnwise, k_dtype, name="wgrad",
-              roles=(qs.role("input"), qs.role("grad_output")), fallback=qs.allow_dequantized_fallback)
+    wgrad = functools.partial(gemm, out_dtype=k_dtype, name="wgrad", roles=(qs.role("input"), qs.role("grad_output")),
+                              fallback=qs.allow_dequantized_fallback)
+    if wsh is None:
+        dw = wgrad(saved_x.columnwise, qdy.columnwise)
+    else:  # per-device partial GEMM over local tokens, reduce-scattered into the kernel's layout
+        dw = wsh.wgrad(wgrad, saved_x.columnwise, qdy.columnwise)
     db = None if b_dtype is None else jnp.sum(dy2d.astype(jnp.float32), axis=0).astype(b_dtype)
     # "The gradient is the new state": the cotangent of the grad_output state is its next value.
     d_states = {k: jax.tree.map(jnp.zeros_like, v) for k, v in states_in.items()}
@@ -110,14 +128,17 @@ _dense.defvjp(_dense_fwd, _dense_bwd)
 
 
 def dense(x, kernel, bias=None, *, quantizers: DenseQuantizers, states: Optional[dict] = None, key=None,
-          return_state: bool = False):
+          return_state: bool = False, weight_sharding=None):
     """Quantized `x @ kernel + bias` for x of any rank (leading dims are tokens), output in x's dtype.
 
     quantizers: one per slot (input, weight, grad_output). states: {slot: delayed-scaling state} for the
     stateful slots. key: jax.random key for stochastic rounding. With return_state, returns
-    (y, {"input": .., "weight": ..}) where the forward-slot states are the next ones.
+    (y, {"input": .., "weight": ..}) where the forward-slot states are the next ones. weight_sharding: a
+    jaxhq.sharding.WeightSharding (or None) for a kernel sharded on a mesh, see jaxhq.sharding.weight_sharding.
     """
     _check(x, kernel, bias, quantizers)
+    if weight_sharding is not None:  # trace-time: no quantization block may straddle two shards
+        weight_sharding.check(quantizers.weight, kernel.shape, role=quantizers.role("weight"))
     states = dict(states or {})
-    y, new = _dense(x, kernel, bias, states, key, quantizers)
+    y, new = _dense(x, kernel, bias, states, key, quantizers, weight_sharding)
     return (y, new) if return_state else y

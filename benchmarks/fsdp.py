@@ -1,0 +1,172 @@
+"""FSDP with quantized weight all-gathers: bytes gathered per training step (from the compiled HLO), and on
+GPUs the step time, bf16 versus each recipe.
+
+The model is a stack of pre-norm MLP blocks (rmsnorm, up [d, ff], gelu, down [ff, d]) with fp32 master weights
+sharded on `fsdp`, computed in bf16. Every variant goes through jaxhq.ops.dense with the same FSDP hook
+(jaxhq.sharding.weight_sharding): each weight is gathered for the forward and again for the backward, as FSDP
+does; the bf16 recipe gathers bf16, the others their quantized copies (data and block scales as uint8).
+"xla_bf16" is plain `x @ w` in bf16 with XLA choosing the gathers (it keeps the gathered weight for the
+backward). Targets: gathered bytes <= 0.55x bf16 for FP8/MXFP8 and <= 0.3x for NVFP4.
+
+CPU (default): compiles only, on N host devices (--devices, default 8), and reads the bytes from the HLO.
+--gpu: all local GPUs on one fsdp axis; also times the step (median of --iters after warm-up).
+Prints a table and writes JSON (--out, default benchmarks/results/fsdp[_gpu].json).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+RECIPES = ["bf16", "fp8_current", "fp8_delayed", "mxfp8", "nvfp4", "fp8_block", "hybrid:mxfp8:nvfp4"]
+TARGETS = {"fp8_current": 0.55, "fp8_delayed": 0.55, "mxfp8": 0.55, "fp8_block": 0.55, "nvfp4": 0.3,
+           "hybrid:mxfp8:nvfp4": 0.55}
+
+
+def _args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gpu", action="store_true", help="run on the local GPUs and time the step")
+    p.add_argument("--devices", type=int, default=8, help="CPU host devices (CPU mode)")
+    p.add_argument("--time", action="store_true", help="also time the step (implied by --gpu)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--d-ff", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (global)")
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--recipes", default=",".join(["xla_bf16"] + RECIPES))
+    p.add_argument("--out", default=None)
+    return p.parse_args()
+
+
+ARGS = _args() if __name__ == "__main__" else None
+if ARGS is not None and not ARGS.gpu:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={ARGS.devices}").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jaxhq  # noqa: E402
+from jaxhq import recipes  # noqa: E402
+from jaxhq.formats import Float8DelayedScaling, init_state  # noqa: E402
+from jaxhq.sharding import constrain, make_mesh, mesh_axes, weight_sharding  # noqa: E402
+from jaxhq.sharding.hlo import by_dtype, collectives  # noqa: E402
+from common import print_table, time_fn, write_json  # noqa: E402
+
+AXES = {"up": ("embed", "mlp"), "down": ("mlp", "embed"), "scale": ("embed",)}
+
+
+def init(layers, d, ff, batch, seq, seed=0):
+    ks = iter(jax.random.split(jax.random.key(seed), 3 * layers + 1))
+    params = [{"scale": jnp.ones((d,)), "up": jax.random.normal(next(ks), (d, ff)) * d ** -0.5,
+               "down": jax.random.normal(next(ks), (ff, d)) * ff ** -0.5} for _ in range(layers)]
+    x = jax.random.normal(next(ks), (batch, seq, d), jnp.bfloat16)
+    return params, x
+
+
+def _delayed_states(recipe, layers):
+    """Delayed-scaling states per dense (only for stateful recipes), carried as step inputs."""
+    q = recipe.dense_quantizers("x")
+    if not isinstance(q.input, Float8DelayedScaling):
+        return None
+    return [{n: {s: init_state(getattr(q, s)) for s in ("input", "weight", "grad_output")} for n in ("up", "down")}
+            for _ in range(layers)]
+
+
+def make_step(name, mesh):
+    """(params, x, states) -> (loss, grads): the training step's compute under recipe `name`."""
+    hook = name != "xla_bf16"
+    recipe = recipes.get("bf16" if name == "xla_bf16" else name)
+
+    def loss_fn(params, x, states):
+        h = constrain(x, ("batch", "length", "embed"), mesh)
+        for i, p in enumerate(params):
+            n = h.astype(jnp.float32)
+            n = (n * jax.lax.rsqrt(jnp.mean(n * n, -1, keepdims=True) + 1e-6) * p["scale"]).astype(jnp.bfloat16)
+            for part in ("up", "down"):
+                k = p[part].astype(jnp.bfloat16)  # per shard: the cast runs before any gather
+                if not hook:
+                    n = n @ k
+                else:
+                    qs = recipe.dense_quantizers(f"layers_{i}.{part}")
+                    ws = weight_sharding(AXES[part], f"layers_{i}.{part}", mesh=mesh)
+                    st = None if states is None else states[i][part]
+                    n = jaxhq.dense(n, k, quantizers=qs, weight_sharding=ws, states=st,
+                                    key=jax.random.key(i * 2 + (part == "down")))
+                if part == "up":
+                    n = jax.nn.gelu(constrain(n, ("batch", "length", "mlp"), mesh))
+            h = h + constrain(n, ("batch", "length", "embed"), mesh)
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    return jax.value_and_grad(loss_fn), recipe
+
+
+def run(name, mesh, params, x, timed):
+    step, recipe = make_step(name, mesh)
+    states = None if name == "xla_bf16" else _delayed_states(recipe, len(params))
+    ps = [{k: NamedSharding(mesh, mesh_axes(AXES[k], None, mesh)) for k in p} for p in params]
+    xs = NamedSharding(mesh, mesh_axes(("batch", "length", "embed"), None, mesh))
+    jitted = jax.jit(step, in_shardings=(ps, xs, None), out_shardings=(None, ps))
+    args = (jax.device_put(params, ps), jax.device_put(x, xs), states)
+    compiled = jitted.lower(*args).compile()
+    gathers = collectives(compiled.as_text(), "all-gather")
+    weight_elems = sum(int(p[k].size) for p in params for k in ("up", "down"))
+    # Weight gathers: 2D arrays of a kernel copy's shape (either orientation; packed FP4, block scales).
+    # Token counts are chosen not to be of that form (seq 96 / 1536), so activation gathers are counted apart,
+    # as are the norm scales (1D fp32).
+    d, ff = params[0]["up"].shape
+    kdims = {d, ff}
+    parts = {k // j for k in kdims for j in (1, 2, 16, 32, 128)}  # packed FP4 and block-scale columns
+    wg = [c for c in gathers if len(c.shape) == 2 and c.shape[0] in parts and c.shape[1] in parts]
+    row = {"variant": name, "weight_gather_bytes": sum(c.nbytes for c in wg),
+           "bytes_per_weight_elem": sum(c.nbytes for c in wg) / weight_elems,
+           "gathers": len(wg), "weight_dtypes": ",".join(f"{d}:{b}" for d, b in sorted(by_dtype(wg).items())),
+           "other_gather_bytes": sum(c.nbytes for c in gathers) - sum(c.nbytes for c in wg)}
+    if timed:
+        row["step_ms"] = 1e3 * time_fn(compiled, *args, iters=ARGS.iters)
+    return row
+
+
+def main():
+    a = ARGS
+    n = len(jax.devices())
+    gpu = a.gpu
+    if gpu and jax.default_backend() != "gpu":
+        raise SystemExit(f"--gpu: no GPU backend (backend {jax.default_backend()})")
+    d = a.d_model or (4096 if gpu else 1024)
+    ff = a.d_ff or (4 * d)
+    batch = a.batch or (8 if gpu else 16)
+    seq = a.seq or (1536 if gpu else 96)
+    mesh = make_mesh(fsdp=n)
+    params, x = init(a.layers, d, ff, batch, seq)
+    rows = []
+    for name in a.recipes.split(","):
+        rows.append(run(name, mesh, params, x, timed=gpu or a.time))
+        print(f"  done {name}", flush=True)
+    base = next((r for r in rows if r["variant"] == "bf16"), None)
+    for r in rows:
+        if base:
+            r["ratio_vs_bf16"] = r["weight_gather_bytes"] / base["weight_gather_bytes"]
+            if "step_ms" in r:
+                r["speedup_vs_bf16"] = base["step_ms"] / r["step_ms"]
+        t = TARGETS.get(r["variant"])
+        r["target"] = t
+        r["meets_target"] = None if t is None or base is None else bool(r["ratio_vs_bf16"] <= t)
+    cols = ["variant", "weight_gather_bytes", "bytes_per_weight_elem", "ratio_vs_bf16", "target", "meets_target",
+            "gathers", "weight_dtypes", "other_gather_bytes"]
+    cols += ["step_ms", "speedup_vs_bf16"] if gpu or a.time else []
+    print(f"\nFSDP over {n} {jax.default_backend()} devices: {a.layers} blocks, d={d}, ff={ff}, "
+          f"tokens/step={batch * seq}")
+    print_table(rows, cols)
+    out = write_json("fsdp_gpu" if gpu else "fsdp", rows, a.out, devices=n, layers=a.layers, d_model=d, d_ff=ff,
+                     batch=batch, seq=seq)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

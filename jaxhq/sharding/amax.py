@@ -1,0 +1,29 @@
+"""Global amax: the max |x| of a sharded tensor over every mesh axis it is split on, NaN-preserving.
+
+Under jit with NamedSharding nothing is needed: `jnp.max` of a sharded array is global (the partitioner adds
+the max all-reduce), so the per-tensor formats' amaxes (current and delayed scaling, forward and backward,
+NVFP4's global scale) already agree on every device. Inside `shard_map` a function sees only its shard:
+`global_amax(x, axes)` reduces the local amaxes with `pmax` over the named axes.
+"""
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import jax
+import jax.numpy as jnp
+
+from ..formats.base import abs_max
+
+
+def global_amax(x, axis_names: Union[str, Sequence[str]] = ()):
+    """max |x| (float32) over x and, inside shard_map, over the mesh axes `axis_names` x is split on.
+
+    NaN anywhere gives NaN everywhere (a max all-reduce may drop NaNs, so the NaN flag is reduced apart).
+    """
+    names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+    a = abs_max(x).astype(jnp.float32)
+    if not names:
+        return a
+    has_nan = jax.lax.pmax(jnp.isnan(a).astype(jnp.int32), names)
+    m = jax.lax.pmax(jnp.where(jnp.isnan(a), jnp.float32(0), a), names)
+    return jnp.where(has_nan > 0, jnp.float32(jnp.nan), m)

@@ -1,0 +1,368 @@
+"""Sharding on 8 CPU devices: mesh and rules, global amax, quantized all-gather bit-equal to unsharded
+quantization with uint8 gathers in the compiled HLO, misaligned shards rejected, and a sharded training step
+equal to the unsharded one on the (8 dp), (2 dp, 4 fsdp), (2 fsdp, 4 tp), (2 dp, 2 fsdp, 2 tp) and expert meshes.
+
+Needs 8 devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (test_sharding_launch.py does
+that in a subprocess when the suite runs with fewer devices; here the tests skip).
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import test_sharding_model as M
+from jaxhq import recipes
+from jaxhq.formats import (MXFP8, NVFP4, Float8Block, Float8CurrentScaling, Float8DelayedScaling, Hybrid, Identity,
+                           init_state, quantize)
+from jaxhq.recipes import DenseQuantizers
+from jaxhq.roles import gemm_roles
+from jaxhq.sharding import (ShardingError, axis_rules, global_amax, make_mesh, mesh_axes,
+                            shard_state, state_shardings, weight_sharding)
+from jaxhq.sharding.hlo import collectives
+
+
+@pytest.fixture(autouse=True)
+def _eight_devices():
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8); "
+                    "test_sharding_launch.py runs this file that way")
+
+
+MESHES = {"dp8": dict(data=8), "dp2_fsdp4": dict(data=2, fsdp=4), "fsdp2_tp4": dict(fsdp=2, tensor=4),
+          "dp2_fsdp2_tp2": dict(data=2, fsdp=2, tensor=2)}
+RECIPES = ["fp8_current", "mxfp8", "nvfp4", "hybrid:mxfp8:nvfp4"]
+
+
+def _bytes(a):
+    a = np.asarray(a)
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(np.uint32) if a.dtype.itemsize == 4 else a
+
+
+def _same(a, b):
+    """Bit equality (NaN == NaN) of two arrays of any dtype."""
+    return a is None and b is None or (np.shape(a) == np.shape(b) and np.array_equal(_bytes(a), _bytes(b)))
+
+
+# -- mesh and rules ----------------------------------------------------------------------------------------
+def test_make_mesh_axes_and_errors():
+    m = make_mesh(data=2, fsdp=2, tensor=2)
+    assert dict(zip(m.axis_names, m.axis_sizes)) == dict(data=2, expert=1, fsdp=2, tensor=2)
+    with pytest.raises(ValueError, match="= 4 devices, but 8"):
+        make_mesh(data=2, fsdp=2)
+    with pytest.raises(ValueError, match="positive"):
+        make_mesh(data=0)
+
+
+def test_rules_map_logical_axes():
+    r = axis_rules()
+    assert mesh_axes(("embed", "mlp"), r) == P("fsdp", "tensor")  # column parallel, FSDP on embed
+    assert mesh_axes(("mlp", "embed"), r) == P("tensor", "fsdp")  # row parallel
+    assert mesh_axes(("embed", ("heads", "kv")), r) == P("fsdp", "tensor")  # fused qkv output
+    assert mesh_axes(("expert", "embed", "mlp"), r) == P("expert", "fsdp", "tensor")
+    assert mesh_axes(("vocab", "embed"), r) == P("tensor", "fsdp")
+    # Activations: batch takes data/fsdp/expert first, so embed stays whole; length only with SP.
+    assert mesh_axes(("batch", "length", "embed"), r) == P(("data", "fsdp", "expert"), None, None)
+    sp = axis_rules(sequence_parallel=True)
+    assert mesh_axes(("batch", "length", "embed"), sp) == P(("data", "fsdp", "expert"), "tensor", None)
+    assert mesh_axes(("batch", "length", "heads", "kv"), sp) == P(("data", "fsdp", "expert"), None, "tensor", None)
+    assert mesh_axes(("batch", "length", "mlp"), sp) == P(("data", "fsdp", "expert"), None, "tensor")
+    # Axes the mesh lacks are dropped.
+    small = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    assert mesh_axes(("batch", "embed", "mlp"), r, small) == P(("data", "fsdp"), None, None)
+    assert mesh_axes(("embed", "mlp"), r, small) == P("fsdp", None)
+
+
+def test_shard_state_places_boxed_params_by_rules():
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            k = self.param("up", nn.with_logical_partitioning(nn.initializers.normal(), ("embed", "mlp")), (64, 128))
+            b = self.param("bias", nn.initializers.zeros, (128,))
+            return x @ k + b
+
+    variables = Block().init(jax.random.key(0), jnp.ones((2, 64)))
+    placed = shard_state(variables, mesh, axis_rules())
+    up = placed["params"]["up"]
+    assert isinstance(up, nn.Partitioned)
+    assert up.value.sharding.spec == P("fsdp", "tensor")
+    assert up.value.addressable_shards[0].data.shape == (32, 64)
+    assert placed["params"]["bias"].sharding.spec == P()
+    np.testing.assert_array_equal(np.asarray(up.value), np.asarray(variables["params"]["up"].value))
+    # Unboxed state with explicit logical axes.
+    st = {"w": jnp.arange(64 * 8.0).reshape(64, 8), "step": jnp.zeros((), jnp.int32)}
+    placed = shard_state(st, mesh, axis_rules(), logical_axes={"w": ("embed", "mlp"), "step": None})
+    assert placed["w"].sharding.spec == P("fsdp", "tensor") and placed["step"].sharding.spec == P()
+
+
+# -- global amax -------------------------------------------------------------------------------------------
+def test_amax_of_sharded_tensor_is_global_under_jit():
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    x = np.random.default_rng(1).standard_normal((64, 96)).astype(np.float32)
+    x[37, 5] = -50.0  # the max sits on one shard only
+    sh = NamedSharding(mesh, P(("data", "fsdp"), "tensor"))
+    f = jax.jit(lambda a: jnp.max(jnp.abs(a)))
+    assert float(f(jax.device_put(x, sh))) == 50.0
+    hlo = f.lower(jax.device_put(x, sh)).compile().as_text()
+    assert any(c.kind == "all-reduce" for c in collectives(hlo, None)), "no all-reduce for a sharded amax"
+    # The quantizers' own amax (NaN-preserving) is global too, and the scales agree on every device.
+    qf = jax.jit(lambda a: quantize(a, Float8CurrentScaling(), ("rowwise",)).rowwise.scale_inv)
+    s = qf(jax.device_put(x, sh))
+    ref = quantize(jnp.asarray(x), Float8CurrentScaling(), ("rowwise",)).rowwise.scale_inv
+    assert _same(s, ref)
+    # shard_map: each device sees its shard; global_amax reduces over the named axes; NaN survives.
+    from jax import shard_map
+    spec = P(("data", "fsdp"), "tensor")
+    g = jax.jit(shard_map(lambda a: global_amax(a, ("data", "fsdp", "tensor")), mesh=mesh, in_specs=spec,
+                          out_specs=P()))
+    assert float(g(jax.device_put(x, sh))) == 50.0
+    x[3, 90] = np.nan  # on one shard: global_amax is NaN on every device (a max all-reduce may drop NaNs)
+    assert np.isnan(float(g(jax.device_put(x, sh))))
+
+
+# -- quantized all-gather ----------------------------------------------------------------------------------
+WEIGHT_QUANTIZERS = [Float8CurrentScaling("e4m3"), Float8DelayedScaling("e4m3", history_len=4), MXFP8("e4m3"),
+                     NVFP4(), NVFP4(block_2d=True), NVFP4(rht=True), Float8Block((1, 128)),
+                     Float8Block((128, 128)), Hybrid(MXFP8("e4m3"), NVFP4(block_2d=True)), Identity()]
+GATHER_MESHES = {"dp2_fsdp4": (dict(data=2, fsdp=4), (512, 128)), "fsdp2_tp4": (dict(fsdp=2, tensor=4), (256, 512))}
+
+
+@pytest.mark.parametrize("mesh_name", list(GATHER_MESHES))
+@pytest.mark.parametrize("q", WEIGHT_QUANTIZERS, ids=lambda q: q.label)
+def test_quantized_gather_is_bit_equal_and_moves_bytes(q, mesh_name):
+    sizes, shape = GATHER_MESHES[mesh_name]
+    mesh = make_mesh(**sizes)
+    rng = np.random.default_rng(hash((q.label, mesh_name)) % 2 ** 32)
+    kernel = (rng.standard_normal(shape) * np.exp(rng.uniform(-3, 3, shape))).astype(np.float32)
+    ws = weight_sharding(("embed", "mlp"), "layers_0.up", mesh=mesh)
+    role = gemm_roles("layers_0.up")["weight"]
+    ws.check(q, shape, role)
+    state = init_state(q)
+    if state is not None:
+        state = jax.tree.map(lambda a: a * 3.0, state)
+
+    def f(k, st):
+        qt = ws.shard(quantize(k.T, q, state=st))
+        return ws.gathered(qt.rowwise), ws.gathered(qt.columnwise)
+
+    ksh = NamedSharding(mesh, ws.kernel_spec())
+    compiled = jax.jit(f, in_shardings=(ksh, None)).lower(jax.device_put(kernel, ksh), state).compile()
+    row, col = compiled(jax.device_put(kernel, ksh), state)
+    ref = jax.jit(lambda k, st: quantize(k.T, q, state=st))(jnp.asarray(kernel), state)
+    for got, want in ((row, ref.rowwise), (col, ref.columnwise)):
+        for field in ("data", "scale_inv", "amax"):
+            assert _same(getattr(got, field), getattr(want, field)), (q.label, got.axis, field)
+    gathers = collectives(compiled.as_text())
+    if ws.needs_gather:
+        assert gathers, "expected all-gathers of the quantized weight"
+    for c in gathers:
+        if isinstance(q, Identity):
+            assert c.dtype == "f32"
+        elif c.dtype != "u8":  # only FP8 blockwise's fp32 block scales, 1 per >= 128 elements
+            assert isinstance(q, Float8Block) and c.dtype == "f32" and np.prod(c.shape) * 128 <= np.prod(shape), \
+                f"{q.label}: weight all-gather of {c.dtype}{list(c.shape)}, expected u8"
+
+
+def test_misaligned_shards_raise_naming_role_shard_and_block():
+    mesh = make_mesh(data=2, fsdp=4)
+    role = gemm_roles("layers_3.mlp.up")["weight"]
+    ws = weight_sharding(("embed", "mlp"), "layers_3.mlp.up", mesh=mesh)
+    with pytest.raises(ShardingError, match=r"layers_3\.mlp\.up.*shard size of 48.*32-element block"):
+        ws.check(MXFP8(), (192, 64), role)  # in = 192 split 4 ways: 48 per shard, blocks of 32
+    ws.check(MXFP8(), (256, 64), role)  # 64 per shard: fine
+    ws.check(Float8CurrentScaling(), (192, 64), role)  # per-tensor: no block to straddle
+    tp = weight_sharding(("embed", "mlp"), mesh=make_mesh(fsdp=2, tensor=4))
+    with pytest.raises(ShardingError, match=r"columnwise.*shard size of 8.*16-element block"):
+        tp.check(NVFP4(), (64, 32), role)  # out = 32 split 4 ways on tensor: blocks of the columnwise copy
+    with pytest.raises(ShardingError, match=r"rowwise.*16x16.*shard size of 8.*16-element block"):
+        tp.check(NVFP4(block_2d=True), (64, 32), role)  # 16x16 tiles: the rows of the rowwise copy too
+    with pytest.raises(ShardingError, match=r"shard size of 64.*128-element block"):
+        tp.check(Float8Block((1, 128)), (128, 256), role)
+    # The dense op raises at trace time, before anything runs.
+    qs = DenseQuantizers.uniform(MXFP8(), roles=tuple(gemm_roles("layers_3.mlp.up").values()))
+    from jaxhq.ops import dense
+    with pytest.raises(ShardingError, match=r"weight linear/weight@layers_3\.mlp\.up"):
+        jax.eval_shape(lambda x, k: dense(x, k, quantizers=qs, weight_sharding=ws),
+                       jax.ShapeDtypeStruct((8, 192), jnp.float32), jax.ShapeDtypeStruct((192, 64), jnp.float32))
+
+
+def test_delayed_scaling_state_is_global_under_fsdp():
+    """Delayed scaling's amax history after a sharded dense equals the unsharded one (global amax)."""
+    mesh = make_mesh(data=2, fsdp=4)
+    q = Float8DelayedScaling("e4m3", history_len=4)
+    qs = DenseQuantizers.uniform(q, Float8DelayedScaling("e5m2", history_len=4),
+                                 roles=tuple(gemm_roles("l.up").values()))
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((16, 128)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((128, 64)), jnp.float32)
+    states = {s: init_state(getattr(qs, s)) for s in ("input", "weight", "grad_output")}
+    from jaxhq.ops import dense
+
+    def f(x, k, states, mesh):
+        ws = None if mesh is None else weight_sharding(("embed", "mlp"), mesh=mesh)
+        def loss(x, k, st):
+            y, new = dense(x, k, quantizers=qs, states=st, weight_sharding=ws, return_state=True)
+            return jnp.sum(y ** 2), new
+        (l, new), g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, k, states)
+        return l, new, g[2]["grad_output"]
+
+    ref = jax.jit(lambda *a: f(*a, None))(x, k, states)
+    xs = NamedSharding(mesh, P(("data", "fsdp"), None))
+    ks = NamedSharding(mesh, P("fsdp", None))
+    got = jax.jit(lambda *a: f(*a, mesh))(jax.device_put(x, xs), jax.device_put(k, ks), states)
+    for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(ref[1:])):
+        assert _same(a, b)
+
+
+# -- the dense op: sharded == unsharded up to the GEMMs' summation order ----------------------------------------
+def _order_bound(a, b):
+    """Bound on |fl(a @ b) - fl'(a @ b)| for two summation orders (any tree, across devices too): each is within
+    K u |a_i|.|b_j| <= K u ||a_i|| ||b_j|| of the exact product (Higham), u = 2^-24; the GEMM reads dequantized
+    operands whose row norms exceed the inputs' by < 1.5x (FP4's worst rounding up is 6/5 per element, RHT
+    is orthonormal), hence 2 x 1.5^2 = 4.5 < 8."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return 8 * a.shape[1] * 2.0 ** -24 * np.outer(np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=0))
+
+
+@pytest.mark.parametrize("mesh_name, recipe_name", [
+    pytest.param(m, r, marks=pytest.mark.slow if m == "dp8" and r != "fp8_current" else ())
+    for m in MESHES for r in RECIPES])
+def test_dense_op_sharded_equals_unsharded_up_to_summation_order(mesh_name, recipe_name):
+    """A column-parallel and a row-parallel dense (forward and both backward GEMMs) on identical inputs:
+    quantized operands are bit-identical, so outputs differ only by fp32 summation order, within the bound."""
+    from jaxhq.ops import dense
+    mesh, recipe = make_mesh(**MESHES[mesh_name]), recipes.get(recipe_name)
+    rng = np.random.default_rng(11)
+    t, d, f = 256, M.D, M.F
+    x1, w1, g1 = rng.standard_normal((t, d)), rng.standard_normal((d, f)) / d ** .5, rng.standard_normal((t, f))
+    x2, w2, g2 = rng.standard_normal((t, f)), rng.standard_normal((f, d)) / f ** .5, rng.standard_normal((t, d))
+    args = tuple(jnp.asarray(a, jnp.float32) for a in (x1, w1, g1, x2, w2, g2))
+
+    def f_(x1, w1, g1, x2, w2, g2, mesh):
+        out = []
+        for i, (x, w, g, axes) in enumerate(((x1, w1, g1, ("embed", "mlp")), (x2, w2, g2, ("mlp", "embed")))):
+            ws = None if mesh is None else weight_sharding(axes, f"l.{i}", mesh=mesh)
+            qs = recipe.dense_quantizers(f"layers_0.d{i}")
+            y, vjp = jax.vjp(lambda x, w: dense(x, w, quantizers=qs, weight_sharding=ws, key=jax.random.key(i)),
+                             x, w)
+            out += [y, *vjp(g)]
+        return out
+
+    ref = _dense_reference(recipe_name, f_, args)
+    rules = axis_rules()
+    act = lambda names: NamedSharding(mesh, mesh_axes(names, rules, mesh))
+    shard = (act(("batch", "embed")), act(("embed", "mlp")), act(("batch", "mlp")), act(("batch", "mlp")),
+             act(("mlp", "embed")), act(("batch", "embed")))
+    got = jax.jit(lambda *a: f_(*a, mesh))(*(jax.device_put(a, s) for a, s in zip(args, shard)))
+    bounds = [_order_bound(x1, w1), _order_bound(g1, w1.T), _order_bound(x1.T, g1),
+              _order_bound(x2, w2), _order_bound(g2, w2.T), _order_bound(x2.T, g2)]
+    for name, a, b, bound in zip(["y1", "dx1", "dw1", "y2", "dx2", "dw2"], got, ref, bounds):
+        diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+        assert np.all(diff <= bound), f"{name}: max diff/bound {np.max(diff / bound):.3g}"
+
+
+_DENSE_REFS = {}
+
+
+def _dense_reference(recipe_name, fn, args):
+    if recipe_name not in _DENSE_REFS:
+        _DENSE_REFS[recipe_name] = jax.jit(lambda *a: fn(*a, None))(*args)
+    return _DENSE_REFS[recipe_name]
+
+
+# -- the training step --------------------------------------------------------------------------------------
+def _weight_gathers(hlo, tensor=1):
+    """All-gathers producing an array of a gathered kernel copy's shape: [D, F/tp] or [F/tp, D] (the test
+    model's kernel dims are not powers of two, its token counts are: no activation has these shapes)."""
+    shapes = {(M.D, M.F // tensor), (M.F // tensor, M.D)}
+    return [c for c in collectives(hlo) if c.shape in shapes]
+
+
+def _quantized_gathers(hlo):
+    return [c for c in collectives(hlo) if c.dtype == "u8"]
+
+
+_close = M.assert_close
+
+
+def _check_step(recipe_name, mesh, experts=False):
+    params, batch = M.init_params(0, experts)
+    key = jax.random.key(1)
+    jitted, ps, bs = M.sharded_step(recipes.get(recipe_name), key, mesh, params)
+    placed = (jax.device_put(params, ps), jax.device_put(batch, bs))
+    compiled = jitted.lower(*placed).compile()
+    loss, grads, _ = compiled(*placed)
+    r_loss, r_grads, _ = M.reference(recipe_name, experts)
+    e_loss, e_grads, _ = M.reference("bf16", experts)
+    frac = M.noise_fraction(recipe_name)
+    _close(loss, r_loss, e_loss, "loss", frac)
+    got = jax.tree_util.tree_leaves_with_path(grads)
+    for (path, g), r, e in zip(got, jax.tree.leaves(r_grads), jax.tree.leaves(e_grads)):
+        _close(g, r, e, f"grad {jax.tree_util.keystr(path)}", frac)
+    return compiled.as_text()
+
+
+# The dense-op test above checks every mesh x recipe rigorously; the step tests check the integration. Every
+# combination compiles 20 steps (minutes of CPU): the suite runs these (all of dp, fsdp and tp together with
+# the per-tensor and the FP4 recipe, FSDP with the hybrid), the rest are marked slow.
+CORE = {("dp2_fsdp2_tp2", "fp8_current"), ("dp2_fsdp2_tp2", "nvfp4"), ("dp2_fsdp4", "hybrid:mxfp8:nvfp4")}
+STEP_CASES = [pytest.param(m, r, marks=() if (m, r) in CORE else pytest.mark.slow) for m in MESHES for r in RECIPES]
+
+
+@pytest.mark.parametrize("mesh_name, recipe_name", STEP_CASES)
+def test_sharded_step_equals_unsharded_and_gathers_quantized_bytes(mesh_name, recipe_name):
+    sizes = MESHES[mesh_name]
+    hlo = _check_step(recipe_name, make_mesh(**sizes))
+    bad = [c for c in _weight_gathers(hlo, sizes.get("tensor", 1)) if c.dtype != "u8"]
+    assert not bad, f"weight all-gathers not in quantized bytes: {bad}"
+    if sizes.get("fsdp", 1) > 1:
+        # 4 kernels, each gathered as rowwise (forward) and columnwise (backward) data, as uint8.
+        assert len(_quantized_gathers(hlo)) >= 8, collectives(hlo)
+
+
+def test_without_the_hook_xla_gathers_high_precision_weights():
+    """Control for the HLO assertion above: plain jit gathers the weights in f32/bf16."""
+    mesh = make_mesh(data=2, fsdp=4)
+    params, batch = M.init_params(0)
+    jitted, ps, bs = M.sharded_step(recipes.get("mxfp8"), jax.random.key(1), mesh, params, hook=False)
+    hlo = jitted.lower(jax.device_put(params, ps), jax.device_put(batch, bs)).compile().as_text()
+    assert any(c.dtype in ("f32", "bf16", "f16") for c in _weight_gathers(hlo))
+    assert not _quantized_gathers(hlo)
+
+
+@pytest.mark.parametrize("recipe_name", [r if r == "mxfp8" else pytest.param(r, marks=pytest.mark.slow)
+                                         for r in RECIPES])
+def test_expert_mesh_step_equals_unsharded(recipe_name):
+    """Expert mesh (2 expert, 2 fsdp, 2 dp): layer 1 is a 2-expert grouped dense with kernels split on expert."""
+    _check_step(recipe_name, make_mesh(data=2, fsdp=2, expert=2), experts=True)
+
+
+@pytest.mark.parametrize("mesh_name, recipe_name", [
+    pytest.param(m, r, marks=() if (m, r) == ("dp2_fsdp2_tp2", "mxfp8") else pytest.mark.slow)
+    for m in MESHES for r in RECIPES])
+def test_transformer_layers_sharded_step_equals_unsharded(mesh_name, recipe_name):
+    """2 TransformerLayers (jaxhq.layers) under jax.set_mesh + nn.logical_axis_rules: the layers pick up the
+    quantized-gather hook from the mesh; params placed by shard_state from their logical boxes."""
+    mesh, rules = make_mesh(**MESHES[mesh_name]), axis_rules()
+    boxed, params, batch = M.transformer_init(0)
+    key = jax.random.key(1)
+    ps = state_shardings(boxed, mesh, rules)  # boxes -> NamedShardings: the unboxed params' structure
+    bs = NamedSharding(mesh, mesh_axes(("batch", "length", "embed"), rules, mesh))
+    placed = (jax.device_put(params, ps), jax.device_put(batch, (bs, bs)))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        step = M.transformer_step(recipes.get(recipe_name), key)
+        compiled = step.lower(*placed).compile()
+    loss, grads = compiled(*placed)
+    r_loss, r_grads = M.transformer_reference(recipe_name)
+    e_loss, e_grads = M.transformer_reference("bf16")
+    frac = M.noise_fraction(recipe_name)
+    _close(loss, r_loss, e_loss, "loss", frac)
+    for (path, g), r, e in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(r_grads),
+                               jax.tree.leaves(e_grads)):
+        _close(g, r, e, f"grad {jax.tree_util.keystr(path)}", frac)
+    if MESHES[mesh_name].get("fsdp", 1) > 1:
+        # 2 layers x 4 kernels (qkv, proj, fc1, fc2), each rowwise + columnwise data as uint8.
+        assert len(_quantized_gathers(compiled.as_text())) >= 16
