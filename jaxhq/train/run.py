@@ -1,0 +1,236 @@
+"""The training loop of `jaxhq train`: one run per recipe on the same data order, a progress bar, the table,
+report.json and loss.png.
+
+Every recipe starts from the same initial weights (same seed) and sees the same batches, so the gap to the
+bf16 baseline measures the recipe alone. "final train loss" is the mean of the last `smooth` steps; "final
+validation loss" is measured on fixed validation batches after the last step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from typing import Optional
+
+import jax
+import numpy as np
+
+from .. import recipes as _recipes
+from . import data as _data
+from . import model as _model
+from . import state as _state
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Options of one `jaxhq train` invocation (the CLI flags one to one)."""
+
+    recipe: str = "mxfp8"
+    compare: tuple = ("bf16",)
+    steps: int = 300
+    model: str = "tiny"
+    seq_len: Optional[int] = None  # None: the preset's
+    batch_size: int = 16
+    lr: float = 3e-3
+    warmup: int = 30
+    seed: int = 0
+    eval_every: int = 50
+    eval_batches: int = 8
+    smooth: int = 20
+    out: str = "jaxhq_out"
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0  # 0: only at the end
+    resume: bool = False
+    mesh: Optional[str] = None
+    remat: str = "none"
+    progress: bool = True
+
+
+@dataclasses.dataclass
+class RunResult:
+    """Curves and final figures of one recipe."""
+
+    recipe: str
+    train_curve: list = dataclasses.field(default_factory=list)  # [step, loss]
+    val_curve: list = dataclasses.field(default_factory=list)  # [step, loss]
+    final_train_loss: float = math.nan
+    final_val_loss: float = math.nan
+    tokens_per_s: float = math.nan
+    seconds: float = 0.0
+    start_step: int = 0
+
+
+def recipe_label(recipe) -> str:
+    return recipe.name if isinstance(recipe, _recipes.CustomRecipe) else str(recipe)
+
+
+def _progress(total: int, initial: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", disable=not enabled, dynamic_ncols=True,
+                file=sys.stderr, bar_format="{desc}: {percentage:3.0f}%|{bar}| step {n}/{total} "
+                                            "[{elapsed}<{remaining}{postfix}]")
+
+
+def train_recipe(recipe, cfg: RunConfig, dataset: _data.Dataset, model_config: _model.GPTConfig,
+                 mesh=None) -> RunResult:
+    """Train one recipe for cfg.steps (resuming from cfg.checkpoint_dir when asked) and measure it."""
+    from . import checkpoint as _ckpt
+    rec = _state.named_recipe(recipe)
+    res = RunResult(rec.name)
+    model = _model.GPT(model_config, rec)
+    tx = _state.make_optimizer(cfg.lr, cfg.steps, cfg.warmup)
+    st = _state.create(model, tx, cfg.seed)
+    ckdir = None if cfg.checkpoint_dir is None else os.path.join(cfg.checkpoint_dir, _ckpt.dirname(rec.name))
+    if cfg.resume and ckdir is not None and _ckpt.latest_step(ckdir) is not None:
+        st, meta = _ckpt.restore(ckdir, st)
+        res.train_curve = [list(p) for p in meta.get("train_curve", [])]
+        res.val_curve = [list(p) for p in meta.get("val_curve", [])]
+    from .sharded import mesh_context, shard_train_state
+    if mesh is not None:
+        st = shard_train_state(st, mesh)
+    start = int(st.step)
+    res.start_step = start
+    with mesh_context(mesh):
+        res = _loop(st, start, rec, cfg, dataset, mesh, res, ckdir)
+    return res
+
+
+def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir):
+    from . import checkpoint as _ckpt
+    from .sharded import shard_batch
+
+    def batch(b):
+        return b if mesh is None else shard_batch(b, mesh)
+
+    val = [batch(b) for b in dataset.val_batches(cfg.eval_batches)]
+    tokens = dataset.tokens_per_batch
+    bar = _progress(cfg.steps, start, rec.name, cfg.progress)
+    pending, t_first, n_timed, t0 = [], None, 0, time.perf_counter()
+    for step in range(start, cfg.steps):
+        st, metrics = _state.train_step(st, batch(dataset.train_batch(step)))
+        pending.append((step, metrics["loss"]))
+        last = step == cfg.steps - 1
+        save = ckdir is not None and (last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0))
+        if len(pending) >= 10 or last or save:
+            losses = jax.device_get([l for _, l in pending])
+            res.train_curve += [[s, float(l)] for (s, _), l in zip(pending, losses)]
+            pending = []
+            now = time.perf_counter()
+            if t_first is None:
+                t_first, n_first = now, step + 1  # the first block includes compilation: not timed
+            else:
+                n_timed = step + 1 - n_first
+            if n_timed:
+                res.tokens_per_s = n_timed * tokens / (now - t_first)
+            bar.set_postfix_str(f"loss {res.train_curve[-1][1]:.4f}, "
+                                f"{res.tokens_per_s if n_timed else 0:,.0f} tok/s", refresh=False)
+            if not math.isfinite(res.train_curve[-1][1]):
+                bar.close()
+                raise FloatingPointError(f"recipe {rec.name}: loss is {res.train_curve[-1][1]} at step {step}")
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last):
+            res.val_curve.append([step + 1, _state.evaluate(st, val)])
+        if save:
+            _ckpt.save(ckdir, st, extra={"train_curve": res.train_curve, "val_curve": res.val_curve})
+        bar.update(1)
+    bar.close()
+    res.seconds = time.perf_counter() - t0
+    tail = [l for _, l in res.train_curve[-cfg.smooth:]]
+    res.final_train_loss = float(np.mean(tail)) if tail else math.nan
+    res.final_val_loss = res.val_curve[-1][1] if res.val_curve and res.val_curve[-1][0] == cfg.steps else \
+        _state.evaluate(st, val)
+    return res
+
+
+def gap_pct(value: float, base: float) -> float:
+    return 100.0 * (value - base) / base
+
+
+def table(results: list, baseline: Optional[str]) -> str:
+    """The final table: train and validation loss per recipe and the validation gap to the baseline."""
+    base = next((r for r in results if r.recipe == baseline), None)
+    head = ("recipe", "train loss", "val loss", f"val vs {baseline}" if base else "", "tokens/s")
+    rows = []
+    for r in results:
+        gap = "" if base is None or r is base else f"{gap_pct(r.final_val_loss, base.final_val_loss):+.2f}%"
+        rows.append((r.recipe, f"{r.final_train_loss:.4f}", f"{r.final_val_loss:.4f}", gap,
+                     f"{r.tokens_per_s:,.0f}" if math.isfinite(r.tokens_per_s) else "-"))
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    fmt = "  ".join("{:<%d}" % w for w in widths)
+    return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
+
+
+def plot(results: list, path: str, title: str = "") -> str:
+    """loss.png: the train curve (thin) and validation points (markers) of every recipe, headless."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    for i, r in enumerate(results):
+        color = f"C{i}"
+        if r.train_curve:
+            s, l = np.array(r.train_curve).T
+            ax.plot(s + 1, l, color=color, lw=0.8, alpha=0.6, label=f"{r.recipe} train")
+        if r.val_curve:
+            s, l = np.array(r.val_curve).T
+            ax.plot(s, l, "o-", color=color, lw=1.8, ms=4, label=f"{r.recipe} val ({r.final_val_loss:.3f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross entropy (nats / byte)")
+    ax.set_title(title)
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def report(results: list, cfg: RunConfig, model_config: _model.GPTConfig, dataset: _data.Dataset,
+           baseline: Optional[str]) -> dict:
+    base = next((r for r in results if r.recipe == baseline), None)
+    runs = {}
+    for r in results:
+        d = dataclasses.asdict(r)
+        if base is not None and r is not base:
+            d["val_gap_pct"] = gap_pct(r.final_val_loss, base.final_val_loss)
+            d["train_gap_pct"] = gap_pct(r.final_train_loss, base.final_train_loss)
+        runs[r.recipe] = d
+    dev = jax.devices()[0]
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": f"{dev.platform} ({getattr(dev, 'device_kind', dev.platform)}) x{jax.device_count()}",
+            "jax": jax.__version__, "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(model_config),
+            "num_params": model_config.num_params(), "tokens_per_step": dataset.tokens_per_batch,
+            "train_bytes": int(len(dataset.train)), "val_bytes": int(len(dataset.val)), "baseline": baseline,
+            "runs": runs}
+
+
+def run(cfg: RunConfig, recipes: Optional[list] = None, mesh=None, echo=print) -> dict:
+    """Train every recipe (cfg.recipe, then cfg.compare), print the table, write report.json and loss.png."""
+    model_config = _model.preset(cfg.model).replace(remat=cfg.remat)
+    if cfg.seq_len:
+        model_config = model_config.replace(seq_len=cfg.seq_len)
+    dataset = _data.load(_data.DataConfig(batch_size=cfg.batch_size, seq_len=model_config.seq_len, seed=cfg.seed))
+    recipes = recipes if recipes is not None else [cfg.recipe, *cfg.compare]
+    results, seen = [], set()
+    for r in recipes:
+        rec = _state.named_recipe(r)
+        if rec.name in seen:
+            continue
+        seen.add(rec.name)
+        results.append(train_recipe(rec, cfg, dataset, model_config, mesh))
+    baseline = next((c for c in cfg.compare if c in seen), None) if cfg.compare else None
+    rep = report(results, cfg, model_config, dataset, baseline)
+    os.makedirs(cfg.out, exist_ok=True)
+    with open(os.path.join(cfg.out, "report.json"), "w") as f:
+        json.dump(rep, f, indent=1)
+    png = plot(results, os.path.join(cfg.out, "loss.png"),
+               f"{cfg.model} GPT, {cfg.steps} steps, {rep['device']}")
+    echo("")
+    echo(table(results, baseline))
+    echo(f"\nreport: {os.path.join(cfg.out, 'report.json')}\nplot:   {png}")
+    rep["table"] = table(results, baseline)
+    return rep

@@ -1,0 +1,42 @@
+"""The training loop: report.json, loss.png, the table, and resuming a run from its checkpoint."""
+import json
+import os
+
+import numpy as np
+
+from jaxhq.train import run as R
+
+
+def cfg(tmp_path, **kw):
+    base = dict(recipe="mxfp8", compare=("bf16",), steps=6, model="micro", batch_size=2, warmup=2, eval_every=3,
+                eval_batches=1, smooth=2, out=str(tmp_path / "out"), progress=False)
+    return R.RunConfig(**{**base, **kw})
+
+
+def test_run_writes_report_plot_and_table(tmp_path):
+    lines = []
+    rep = R.run(cfg(tmp_path), echo=lines.append)
+    with open(tmp_path / "out" / "report.json") as f:
+        saved = json.load(f)
+    assert set(saved["runs"]) == {"mxfp8", "bf16"} and saved["baseline"] == "bf16"
+    m, b = saved["runs"]["mxfp8"], saved["runs"]["bf16"]
+    assert [s for s, _ in m["train_curve"]] == list(range(6)) and [s for s, _ in m["val_curve"]] == [3, 6]
+    assert m["final_train_loss"] == np.mean([l for _, l in m["train_curve"][-2:]])
+    assert m["final_val_loss"] == m["val_curve"][-1][1]
+    assert m["val_gap_pct"] == 100 * (m["final_val_loss"] - b["final_val_loss"]) / b["final_val_loss"]
+    assert abs(m["val_gap_pct"]) < 5  # six steps of mxfp8 stay close to bf16
+    png = tmp_path / "out" / "loss.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
+    text = "\n".join(lines)
+    assert "mxfp8" in text and f"{m['val_gap_pct']:+.2f}%" in text and rep["table"] in text
+
+
+def test_resume_continues_the_curve(tmp_path):
+    full = R.run(cfg(tmp_path, compare=(), out=str(tmp_path / "a")), echo=lambda *_: None)["runs"]["mxfp8"]
+    ck = str(tmp_path / "ck")
+    R.run(cfg(tmp_path, compare=(), steps=3, checkpoint_dir=ck, out=str(tmp_path / "b")), echo=lambda *_: None)
+    resumed = R.run(cfg(tmp_path, compare=(), checkpoint_dir=ck, resume=True, out=str(tmp_path / "c")),
+                    echo=lambda *_: None)["runs"]["mxfp8"]
+    assert resumed["start_step"] == 3
+    assert resumed["train_curve"] == full["train_curve"]  # bit-identical losses after the resume
+    assert resumed["final_val_loss"] == full["final_val_loss"]
