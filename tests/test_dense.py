@@ -77,10 +77,13 @@ def test_gemms_read_the_specified_copies(case):
     key, states = jax.random.PRNGKey(5), states_for(qs)
     got = run_dense(x, w, b, g, qs, key, states)
     want = reference(x, w, b, g, qs, key, states)
-    # fp32 accumulation of K <= 256 exact-format products against float64: ~1e-6 relative.
+    # CPU: fp32 accumulation of K <= 256 exact-format products against float64, ~1e-6 relative. GPU: fp32
+    # Identity dots run as TF32 (JAX's default precision) and Hopper's FP8 tensor cores accumulate with ~14
+    # significant bits, ~1e-4 relative (measured 2.5e-4 on an H100).
+    tol = 1e-5 if jax.default_backend() == "cpu" else 2e-3
     for name, a, r in zip(("y", "dx", "dw", "db"), got, want):
         assert a.dtype == jnp.float32
-        assert rel(a, r) < 1e-5, (case, name, rel(a, r))
+        assert rel(a, r) < tol, (case, name, rel(a, r))
 
 
 @pytest.mark.parametrize("name", NAMED[:-1])

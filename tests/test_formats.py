@@ -350,3 +350,34 @@ def test_property_hybrid_pairs(rows, cols, seed, pair):
     np.testing.assert_array_equal(bits(h.dequantize(ROWWISE)), bits(quantize(x, a, ROWWISE).dequantize(ROWWISE)))
     np.testing.assert_array_equal(bits(h.dequantize(COLUMNWISE)),
                                   bits(quantize(x, b, COLUMNWISE).dequantize(COLUMNWISE)))
+
+
+@pytest.mark.parametrize("fmt,dtype", [("e4m3", ml_dtypes.float8_e4m3fn), ("e5m2", ml_dtypes.float8_e5m2),
+                                       ("float16", np.float16), ("bfloat16", ml_dtypes.bfloat16)])
+def test_round_to_grid_is_ml_dtypes_rounding(fmt, dtype):
+    """The exact rounding the reference casts go through equals ml_dtypes' cast, midpoints and subnormals
+    included."""
+    from jaxhq.formats.casts import round_to_grid
+    rng = np.random.default_rng(abs(hash(fmt)) % 2 ** 32)
+    top = float(ml_dtypes.finfo(dtype).max)
+    x = (rng.standard_normal(200_000) * np.exp(rng.uniform(-30, 10, 200_000))).astype(np.float32)
+    values = np.unique(np.arange(2 ** 16 if np.dtype(dtype).itemsize == 2 else 256, dtype=np.uint16 if
+                                 np.dtype(dtype).itemsize == 2 else np.uint8).view(dtype).astype(np.float32))
+    values = values[np.isfinite(values)]
+    mids = ((values[1:] + values[:-1]) / 2).astype(np.float32)
+    x = np.clip(np.concatenate([x, mids, values]), -top, top)
+    got = np.asarray(jax.jit(lambda v: round_to_grid(v, fmt))(x))
+    want = x.astype(dtype).astype(np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_rht_butterfly_is_the_hadamard_matrix():
+    """apply_rht's butterfly is v @ T.T with T = H diag(signs) / 4 (float64 numpy), and its inverse is v @ T."""
+    from jaxhq.formats.nvfp4 import apply_rht, rht_matrix
+    x = np.random.default_rng(3).standard_normal((8, 64)).astype(np.float32)
+    t = rht_matrix().astype(np.float64)
+    blocks = x.astype(np.float64).reshape(8, 4, 16)
+    np.testing.assert_allclose(np.asarray(apply_rht(jnp.asarray(x))), (blocks @ t.T).reshape(8, 64), rtol=1e-6,
+                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(apply_rht(jnp.asarray(x), inverse=True)), (blocks @ t).reshape(8, 64),
+                               rtol=1e-6, atol=1e-6)

@@ -19,10 +19,32 @@ def fp8_dtype(fmt: str):
     return FP8_DTYPES[fmt]
 
 
+# mantissa bits and smallest normal exponent of the formats that values are rounded onto
+_GRID = {"e4m3": (3, -6), "e5m2": (2, -14), "float16": (10, -14), "bfloat16": (7, -126)}
+
+
+def round_to_grid(x, fmt: str):
+    """float32 x (finite values within fmt's range) rounded to nearest even onto fmt's values, still float32,
+    with exact integer and power-of-two arithmetic. XLA cannot alter this: its GPU backend may round
+    float32 -> FP8 twice (through float16), and drops float32 -> float16 -> float32 round trips as "excess
+    precision"; a cast of the rounded value is exact everywhere."""
+    mbits, emin = _GRID[fmt]
+    x = x.astype(jnp.float32)
+    drop = 23 - mbits
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    bias = jnp.uint32((1 << (drop - 1)) - 1) + ((bits >> drop) & jnp.uint32(1))
+    out = lax.bitcast_convert_type((bits + bias) & jnp.uint32(0xFFFFFFFF ^ ((1 << drop) - 1)), jnp.float32)
+    if emin > -126:  # the format's subnormals are spaced evenly, unlike float32's normals there
+        step = 2.0 ** (emin - mbits)
+        sub = jnp.round(x * jnp.float32(1.0 / step)) * jnp.float32(step)
+        out = jnp.where(jnp.abs(x) < jnp.float32(2.0 ** emin), sub, out)
+    return jnp.where(jnp.isnan(x), x, out)
+
+
 def saturating_fp8(x, fmt: str):
     """Round-to-nearest-even cast to FP8 after clipping to +-max; NaN stays NaN."""
     m = FP8_MAX[fmt]
-    return jnp.clip(x, -m, m).astype(fp8_dtype(fmt))
+    return round_to_grid(jnp.clip(x, -m, m), fmt).astype(fp8_dtype(fmt))
 
 
 def pow2_floor(x):

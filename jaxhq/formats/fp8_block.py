@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from .base import ROWWISE, QuantizationError, Quantizer, Storage, abs_max, block_amax, pad_to
@@ -42,7 +43,7 @@ class Float8Block(Quantizer):
         amax_b = block_amax(xp, bc)
         if br > 1:
             amax_b = abs_max(amax_b.reshape(prow // br, br, pcol // bc), axis=1)
-        scale = scale_from_amax(amax_b, self.fmt, 0.0, self.power_2_scale)
+        scale = jax.lax.optimization_barrier(scale_from_amax(amax_b, self.fmt, 0.0, self.power_2_scale))
         full = jnp.repeat(jnp.repeat(scale, br, axis=0), bc, axis=1)
         data = saturating_fp8(xp * full, self.fmt)[:rows, :cols]
         return Storage(data=data, scale_inv=(1.0 / scale).astype(jnp.float32), quantizer=self, axis=axis,

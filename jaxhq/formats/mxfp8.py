@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from .base import ROWWISE, Quantizer, Storage, block_amax, expand_blocks, pad_last
 from .casts import (FP8_MAX, as_e8m0, e8m0_bytes, e8m0_reciprocal, e8m0_round_up, e8m0_to_f32, fp8_dtype,
-                    saturating_fp8)
+                    saturating_fp8, round_to_grid)
 
 MX_BLOCK = 32
 
@@ -37,7 +37,9 @@ class MXFP8(Quantizer):
         rows, cols = x2d.shape
         xp = pad_last(x2d, MX_BLOCK)
         amax_b = block_amax(xp, MX_BLOCK)  # exact in the input dtype
-        q = (amax_b.astype(jnp.float32) / jnp.float32(FP8_MAX[self.fmt])).astype(x2d.dtype).astype(jnp.float32)
+        q = amax_b.astype(jnp.float32) * jnp.float32(1.0 / FP8_MAX[self.fmt])
+        if x2d.dtype != jnp.float32:  # rounded to the input dtype, as JAX's MX quantize computes it
+            q = round_to_grid(q, jnp.dtype(x2d.dtype).name)
         e = e8m0_round_up(q)
         inv = expand_blocks(e8m0_reciprocal(e), MX_BLOCK, cols)
         data = saturating_fp8(x2d.astype(jnp.float32) * inv, self.fmt)

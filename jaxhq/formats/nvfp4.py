@@ -1,7 +1,7 @@
 """NVFP4: E2M1 elements two per byte, an E4M3 scale per 1x16 block (or 16x16 tile) and one fp32 global scale.
 
-global_encode = 448 * 6 / amax_tensor (1 when amax is 0); per block, decode = e4m3(min(amax_block / 6 *
-global_encode, 448)); elements are e2m1_rne(x * (1 / (decode / global_encode))), saturating at +-6, packed two
+global_encode = 448 * 6 / amax_tensor (1 when amax is 0); per block, decode = e4m3(min(amax_block *
+(global_encode * (1/6)), 448)); elements are e2m1_rne(x * (global_encode / decode)), saturating at +-6, packed two
 per byte with the even element in the low nibble. A block whose decode scale is 0 stores zeros.
 Dequantized value = e2m1 * (decode / global_encode).
 
@@ -23,7 +23,8 @@ import numpy as np
 
 from .base import (COLUMNWISE, ROWWISE, QuantizationError, Quantizer, Storage, abs_max, block_amax, expand_blocks,
                    pad_to)
-from .casts import E2M1_MAX, e2m1_codes, e2m1_codes_stochastic, e2m1_decode, pack_nibbles, unpack_nibbles
+from .casts import (E2M1_MAX, e2m1_codes, e2m1_codes_stochastic, e2m1_decode, pack_nibbles, saturating_fp8,
+                    unpack_nibbles)
 
 NV_BLOCK = 16
 E4M3_MAX = 448.0
@@ -43,13 +44,27 @@ def rht_matrix():
     return (hadamard16() * RHT_SIGNS[None, :] / 4.0).astype(np.float32)
 
 
+def _walsh_hadamard16(v):
+    """v @ H over the last axis (16, Sylvester H) as 4 add/subtract stages: a fixed summation order that the
+    kernels use too, so XLA cannot pick a different one per backend."""
+    lead = v.shape[:-1]
+    for h in (1, 2, 4, 8):
+        pairs = v.reshape(*lead, NV_BLOCK // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        v = jnp.stack([a + b, a - b], axis=-2).reshape(*lead, NV_BLOCK)
+    return v
+
+
 def apply_rht(x2d, inverse: bool = False):
+    """Each 16-block v -> v @ T.T (forward: signs, Hadamard, x1/4) or v @ T (inverse: Hadamard, signs, x1/4)."""
     rows, cols = x2d.shape
-    t = jnp.asarray(rht_matrix())
-    m = t if inverse else t.T  # forward: v @ T.T; inverse: v @ T (T orthonormal)
+    signs = jnp.asarray(RHT_SIGNS)
     blocks = x2d.astype(jnp.float32).reshape(rows, cols // NV_BLOCK, NV_BLOCK)
-    out = jnp.einsum("rbi,ij->rbj", blocks, m, precision=jax.lax.Precision.HIGHEST)
-    return out.reshape(rows, cols)
+    if inverse:
+        out = _walsh_hadamard16(blocks) * signs
+    else:
+        out = _walsh_hadamard16(blocks * signs)
+    return (out * jnp.float32(0.25)).reshape(rows, cols)
 
 
 def global_encode(amax):
@@ -98,10 +113,12 @@ class NVFP4(Quantizer):
         if self.block_2d:
             tiles = abs_max(amax_b.reshape(prow // NV_BLOCK, NV_BLOCK, pcol // NV_BLOCK), axis=1)
             amax_b = jnp.repeat(tiles, NV_BLOCK, axis=0)
-        decode = jnp.minimum(amax_b / jnp.float32(E2M1_MAX) * genc, jnp.float32(E4M3_MAX)).astype(jnp.float8_e4m3fn)
-        dec32 = decode.astype(jnp.float32)
-        enc = jnp.float32(1.0) / (dec32 / genc)
-        enc = jnp.where(dec32 == 0, jnp.float32(0.0), enc)
+        # The barriers pin the rounding of the scale arithmetic: without them XLA rewrites these products and
+        # divisions differently depending on the surrounding program, and eager, jit and kernels would differ.
+        dscale = jax.lax.optimization_barrier(genc * jnp.float32(1.0 / E2M1_MAX))
+        decode = saturating_fp8(amax_b * dscale, "e4m3")
+        dec32 = jax.lax.optimization_barrier(decode.astype(jnp.float32))
+        enc = jax.lax.optimization_barrier(jnp.where(dec32 == 0, jnp.float32(0.0), genc / dec32))
         y = jnp.clip(xp * expand_blocks(enc, NV_BLOCK, pcol), -E2M1_MAX, E2M1_MAX)
         codes = e2m1_codes_stochastic(y, key) if self.stochastic_rounding else e2m1_codes(y)
         codes = codes[:rows, :cols + (cols % 2)]  # an odd row ends with a zero (padding) nibble

@@ -6,6 +6,7 @@ gradient is the identity. Training gets its gradients from the dense op's custom
 """
 from __future__ import annotations
 
+import os
 from typing import Iterable, Optional, Union
 
 import jax
@@ -66,6 +67,28 @@ def _amax_of(qt: QTensor, axis: Optional[str]):
     return qt.get(axis).amax
 
 
+def kernel_platforms() -> tuple:
+    """Where `quantize` runs the FFI kernels: JAXHQ_KERNELS = "gpu" (default), "all" (CPU too) or "off".
+
+    The CPU default is the jnp reference (same numerics; XLA fuses it into the surrounding program).
+    """
+    mode = os.environ.get("JAXHQ_KERNELS", "gpu").lower()
+    if mode not in ("gpu", "all", "off"):
+        raise ValueError(f"JAXHQ_KERNELS must be gpu, all or off, got {mode!r}")
+    return {"gpu": ("cuda",), "all": ("cuda", "cpu"), "off": ()}[mode]
+
+
+def _kernel_copies(x2d, q, usage, **kw) -> Optional[dict]:
+    platforms = kernel_platforms()
+    if not platforms:
+        return None
+    from ..ffi import primitives
+    if primitives.platform_of(x2d) not in platforms:
+        return None
+    from ..ffi.dispatch import quantize_copies
+    return quantize_copies(x2d, q, usage, **kw)
+
+
 def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=None, amax=None) -> QTensor:
     """Quantize `x` (rank >= 2, leading dims flattened into rows) into the copies named by `usage`.
 
@@ -79,7 +102,10 @@ def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=
     q = normalize(quantizer)
     x = jax.lax.stop_gradient(x)
     x2d = x.reshape(-1, x.shape[-1])
-    m, k = x2d.shape
+    copies = _kernel_copies(x2d, q, usage, key=key, state=state, amax=amax)
+    if copies is not None:
+        return QTensor(rowwise=copies.get(ROWWISE), columnwise=copies.get(COLUMNWISE),
+                       shape=tuple(x.shape), dtype=jnp.dtype(x.dtype))
     copies = {}
     for axis in usage:
         sq = side(q, axis)

@@ -8,6 +8,8 @@ caller allows the dequantized fallback.
 """
 from __future__ import annotations
 
+import functools
+
 from typing import Callable, Optional
 
 import jax
@@ -65,12 +67,11 @@ def mixed_identity_dot(a: Storage, b: Storage, out_dtype):
 
 
 def fp8_gpu_dot(a: Storage, b: Storage, out_dtype):
-    """FP8 per-tensor on GPU: the dequantize-then-dot pattern XLA rewrites into one cuBLASLt FP8 GEMM with
-    device-side scales (no fp32 copy of the operands is materialised)."""
-    cdt = jnp.bfloat16 if out_dtype == jnp.float32 else out_dtype
-    av = a.data.astype(cdt) * a.scale_inv.astype(cdt)
-    bv = b.data.astype(cdt) * b.scale_inv.astype(cdt)
-    return lax.dot_general(av, bv, TN, preferred_element_type=jnp.float32).astype(out_dtype)
+    """FP8 per-tensor on GPU where no kernel applies (e.g. E5M2 x E5M2): the FP8 values exactly in bf16, an fp32
+    accumulating dot, then both per-tensor scales applied to the fp32 result (no rounding of the scales)."""
+    acc = lax.dot_general(a.data.astype(jnp.bfloat16), b.data.astype(jnp.bfloat16), TN,
+                          preferred_element_type=jnp.float32)
+    return (acc * (a.scale_inv.astype(jnp.float32) * b.scale_inv.astype(jnp.float32))).astype(out_dtype)
 
 
 QUANTIZED = ("fp8", "mxfp8", "nvfp4", "fp8_block")
@@ -85,12 +86,21 @@ def platform() -> str:
     return "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu"
 
 
+@functools.lru_cache(maxsize=None)
+def _register_gpu_kernels() -> tuple:
+    """Puts the FFI GEMM kernels (jaxhq.ffi.gemm) into the table once, when they are built and a GPU is present."""
+    from ..ffi.gemm import register_gpu_gemms
+    return tuple(register_gpu_gemms())
+
+
 def gemm(a: Storage, b: Storage, out_dtype, *, name: str = "gemm", roles=(None, None), fallback: bool = False):
     """A @ B.T through the dispatch table; `name` (forward/dgrad/wgrad) and roles only label errors."""
     if a.shape[1] != b.shape[1]:
         raise GemmError(f"{name} GEMM: contraction sizes differ: A {a.shape} ({a.format}, role {roles[0]}) and "
                         f"B {b.shape} ({b.format}, role {roles[1]})")
     fa, fb = family(a), family(b)
+    if platform() == "gpu":
+        _register_gpu_kernels()
     fn = lookup(fa, fb, platform())
     if fn is None:
         if not fallback:

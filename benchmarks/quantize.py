@@ -1,0 +1,134 @@
+"""Quantize kernels vs a device copy vs the jnp reference compiled by XLA, all in one process.
+
+For a 16384x16384 bf16 input and each format (both copies) and a few hybrid pairs: the median time, the
+effective bandwidth (input bytes once, twice for formats that need the per-tensor amax first, plus every
+output byte), its fraction of the copy bandwidth, and the speedup over XLA. Hybrid pairs are also timed as
+two separate single-copy kernel passes. Prints a table; writes JSON (--out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxhq.ffi import available
+from jaxhq.ffi.dispatch import quantize_copies
+from jaxhq.formats import MXFP8, NVFP4, Float8Block, Float8CurrentScaling, Hybrid
+from jaxhq.formats.base import USAGES
+from jaxhq.formats.hybrid import side
+
+
+def bench(f, *args, iters=20, reps=7):
+    """Median seconds per call: `iters` back-to-back async calls per rep, synchronized at the ends."""
+    out = f(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times), times
+
+
+def nbytes(tree):
+    return sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(tree))
+
+
+def reference(x, q, usage):
+    out = {}
+    for a in usage:
+        arr = x if a == "rowwise" else x.T
+        sk = jax.random.fold_in(jax.random.key(0), USAGES.index(a))
+        out[a] = side(q, a).quantize_2d(arr, a, key=sk)
+    return out
+
+
+def needs_amax(q, usage):
+    return any(isinstance(side(q, a), (Float8CurrentScaling, NVFP4)) for a in usage)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--m", type=int, default=16384)
+    p.add_argument("--k", type=int, default=16384)
+    p.add_argument("--out", default="quantize_bench.json")
+    p.add_argument("--no-xla", action="store_true")
+    args = p.parse_args()
+    dev = jax.devices()[0]
+    print("device:", dev.device_kind, "jax", jax.__version__, "kernels on gpu:", available("gpu"), flush=True)
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (args.m, args.k), jnp.float32).astype(jnp.bfloat16), dev)
+    xbytes = x.size * 2
+
+    copy_t, _ = bench(jax.jit(lambda x: jnp.copy(x) + jnp.bfloat16(0)), x)  # a read + write of every byte
+    neg_t, _ = bench(jax.jit(lambda x: -x), x)
+    copy_bw = 2 * xbytes / min(copy_t, neg_t)
+    print(f"device copy: {min(copy_t, neg_t) * 1e3:.3f} ms, {copy_bw / 1e12:.2f} TB/s (read+write)", flush=True)
+
+    key = jax.random.key(1)
+    cases = [
+        ("fp8_current", Float8CurrentScaling()),
+        ("mxfp8", MXFP8()),
+        ("nvfp4", NVFP4()),
+        ("nvfp4_2d", NVFP4(block_2d=True)),
+        ("nvfp4_rht", NVFP4(rht=True)),
+        ("nvfp4_sr", NVFP4(stochastic_rounding=True)),
+        ("fp8_block_1x128", Float8Block()),
+        ("fp8_block_128x128", Float8Block((128, 128))),
+        ("fp8_block_1x128_colonly", Float8Block()),
+        ("hyb mxfp8|nvfp4_rht", Hybrid(MXFP8(), NVFP4(rht=True))),
+        ("hyb fp8_block_1x128|mxfp8", Hybrid(Float8Block(), MXFP8())),
+        ("hyb nvfp4_2d|fp8_block_128x128", Hybrid(NVFP4(block_2d=True), Float8Block((128, 128)))),
+        ("hyb fp8_current|nvfp4", Hybrid(Float8CurrentScaling(), NVFP4())),
+    ]
+    rows = []
+    for name, q in cases:
+        usage = ("columnwise",) if name.endswith("colonly") else USAGES
+        kern = jax.jit(lambda x, k, q=q, usage=usage: quantize_copies(x, q, usage, key=k))
+        out = kern(x, key)
+        assert out is not None, name
+        obytes = nbytes(out)
+        moved = xbytes * (2 if needs_amax(q, usage) else 1) + obytes
+        t, ts = bench(kern, x, key)
+        row = dict(name=name, format=q.label, usage=list(usage), ms=t * 1e3, ms_all=[v * 1e3 for v in ts],
+                   bytes=moved, tbps=moved / t / 1e12, frac_copy=moved / t / copy_bw)
+        if not args.no_xla:
+            ref = jax.jit(lambda x, q=q, usage=usage: reference(x, q, usage))
+            try:
+                tx, _ = bench(ref, x, iters=5, reps=3)
+                row.update(xla_ms=tx * 1e3, speedup_vs_xla=tx / t)
+            except Exception as e:  # noqa: BLE001
+                row.update(xla_error=str(e)[:200])
+        if isinstance(q, Hybrid):
+            r1 = jax.jit(lambda x, k, q=q: quantize_copies(x, q.rowwise, ("rowwise",), key=k))
+            r2 = jax.jit(lambda x, k, q=q: quantize_copies(x, q.columnwise, ("columnwise",), key=k))
+            two = jax.jit(lambda x, k: (r1(x, k), r2(x, k)))
+            t2, _ = bench(two, x, key)
+            row.update(two_pass_ms=t2 * 1e3, fused_speedup=t2 / t)
+        rows.append(row)
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "ms_all"}),
+              flush=True)
+        del out
+
+    res = dict(device=dev.device_kind, jax=jax.__version__, shape=[args.m, args.k], dtype="bfloat16",
+               copy_ms=min(copy_t, neg_t) * 1e3, copy_tbps=copy_bw / 1e12, rows=rows)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"\n{args.m}x{args.k} bf16 on {dev.device_kind}; copy {copy_bw / 1e12:.2f} TB/s")
+    print(f"{'case':34s} {'ms':>7s} {'TB/s':>6s} {'%copy':>6s} {'XLA ms':>8s} {'vsXLA':>6s} {'2pass ms':>9s} {'fused x':>7s}")
+    for r in rows:
+        print(f"{r['name']:34s} {r['ms']:7.3f} {r['tbps']:6.2f} {100 * r['frac_copy']:5.1f}% "
+              f"{r.get('xla_ms', float('nan')):8.3f} {r.get('speedup_vs_xla', float('nan')):6.2f} "
+              f"{r.get('two_pass_ms', float('nan')):9.3f} {r.get('fused_speedup', float('nan')):7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""One training step of a GPT-style stack under each recipe, against bf16 from the same run.
+
+For every recipe: the jitted forward + backward + AdamW step (state donated), timed after warm-up with a
+device sync per step (median of --steps); tokens/s; model FLOP utilisation (6 N T for the dense layers plus
+6 L B S^2 d for causal attention, over the GPU's dense bf16 peak); the compiled program's memory (arguments +
+temporaries + outputs - donated aliases); and where the time goes: the step's quantize calls alone and its
+dense ops alone (forward + both backward GEMMs, quantization included), timed on the same shapes, so
+GEMMs ~ dense - quantize and the rest (attention, norms, optimizer) ~ step - dense.
+
+    python benchmarks/train_step.py                    # H100 preset: d 4096, FFN 14336 gated, 32 heads, seq 4096
+    python benchmarks/train_step.py --preset quick     # a smaller stack for a quick look
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import parser, print_table, time_fn, write_json  # noqa: E402
+
+from jaxhq.formats import init_state, quantize  # noqa: E402
+from jaxhq.ops import dense  # noqa: E402
+from jaxhq.train import model as M, state as S  # noqa: E402
+
+RECIPES = ["bf16", "fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", "hybrid:mxfp8:nvfp4"]
+PRESETS = {  # config, batch size
+    "h100": (M.GPTConfig(num_layers=2, d_model=4096, num_heads=32, d_ff=14336, seq_len=4096, dtype="bfloat16"), 2),
+    "quick": (M.GPTConfig(num_layers=2, d_model=1024, num_heads=8, d_ff=3584, seq_len=1024, dtype="bfloat16"), 4),
+    "cpu": (M.GPTConfig(num_layers=1, d_model=128, num_heads=4, d_ff=256, seq_len=64, dtype="float32"), 2),
+}
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "B200": 2250e12}  # dense bf16 FLOP/s of the SXM parts
+
+
+def peak_flops() -> float | None:
+    kind = jax.devices()[0].device_kind
+    return next((v for k, v in PEAK_BF16.items() if k in kind), None)
+
+
+def step_flops(cfg: M.GPTConfig, batch: int) -> float:
+    tokens = batch * cfg.seq_len
+    dense_params = sum(fin * fout for _, fin, fout, n in dense_shapes(cfg) for _ in range(n))
+    return 6.0 * dense_params * tokens + 6.0 * cfg.num_layers * batch * cfg.seq_len ** 2 * cfg.d_model
+
+
+def dense_shapes(cfg: M.GPTConfig) -> list:
+    """(name, in, out, count) of the model's dense ops, from its parameters."""
+    model = M.GPT(cfg, S.named_recipe("bf16"))
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), M.example_tokens(cfg, 1)))
+    flat = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(shapes["params"]))[0]
+    out = {}
+    for path, leaf in flat:
+        keys = [str(getattr(k, "key", k)) for k in path]
+        if keys[-1] != "kernel":
+            continue
+        fin, fout = leaf.shape
+        name = "/".join(k for k in keys[:-1] if not k.startswith("layers_"))
+        out.setdefault((name, fin, fout), 0)
+        out[(name, fin, fout)] += 1
+    return [(n, fi, fo, c) for (n, fi, fo), c in out.items()]
+
+
+def _quantizers(recipe, name):
+    qs = recipe.dense_quantizers(name)
+    states = {s: init_state(getattr(qs, s)) for s in ("input", "weight", "grad_output")}
+    return qs, {k: v for k, v in states.items() if v is not None}
+
+
+def _quantize_one(recipe, name, x, w, dy, key):
+    qs, st = _quantizers(recipe, name)
+    return [quantize(v, getattr(qs, slot), key=key, state=st.get(slot))
+            for slot, v in (("input", x), ("weight", w.T), ("grad_output", dy))]
+
+
+def _dense_one(recipe, name, x, w, dy, key):
+    qs, st = _quantizers(recipe, name)
+    y, vjp = jax.vjp(lambda x, w: dense(x, w, quantizers=qs, states=st, key=key), x, w)
+    return y, vjp(dy)
+
+
+def breakdown(recipe, cfg: M.GPTConfig, batch: int, iters: int) -> dict:
+    """Seconds per step in the dense ops' quantize calls alone and in the dense ops alone (each shape timed
+    once, weighted by how often the model runs it)."""
+    tokens, dt = batch * cfg.seq_len, jnp.dtype(cfg.dtype)
+    res = {"quantize_s": 0.0, "dense_s": 0.0}
+    key = jax.random.key(2)
+    for i, (name, fin, fout, count) in enumerate(dense_shapes(cfg)):
+        k1, k2, k3 = jax.random.split(jax.random.key(10 + i), 3)
+        args = (jax.random.normal(k1, (tokens, fin), dt), 0.02 * jax.random.normal(k2, (fin, fout), dt),
+                jax.random.normal(k3, (tokens, fout), dt), key)
+        for label, fn in (("quantize_s", _quantize_one), ("dense_s", _dense_one)):
+            res[label] += count * time_fn(jax.jit(functools.partial(fn, recipe, name)), *args, warmup=2, iters=iters)
+    return res
+
+
+def run_recipe(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split: bool) -> dict:
+    recipe = S.named_recipe(name)
+    model = M.GPT(cfg, recipe)
+    tx = S.make_optimizer(1e-4, 1000, 10)
+    state = S.create(model, tx)
+    tokens = jax.random.randint(jax.random.key(3), (batch, cfg.seq_len + 1), 0, cfg.vocab_size)
+    batch_d = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    step = jax.jit(S._train_step, donate_argnums=0)
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batch_d).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    mem_bytes = None
+    if mem is not None:
+        mem_bytes = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+                     - mem.alias_size_in_bytes)
+    for _ in range(warmup):
+        state, m = compiled(state, batch_d)
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, m = compiled(state, batch_d)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t)
+    step_s = float(np.median(times))
+    row = dict(recipe=name, step_ms=1e3 * step_s, tokens_per_s=batch * cfg.seq_len / step_s,
+               memory_gib=None if mem_bytes is None else mem_bytes / 2 ** 30, compile_s=compile_s,
+               loss=float(m["loss"]))
+    peak = peak_flops()
+    row["mfu"] = None if peak is None else step_flops(cfg, batch) / step_s / peak
+    del state, compiled
+    if split:
+        b = breakdown(recipe, cfg, batch, iters=max(5, steps // 2))
+        row["quantize_ms"], row["dense_ms"] = 1e3 * b["quantize_s"], 1e3 * b["dense_s"]
+        row["quantize_share"] = b["quantize_s"] / step_s
+        row["gemm_share"] = max(b["dense_s"] - b["quantize_s"], 0.0) / step_s
+    return row
+
+
+def main():
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--preset", default="h100", choices=sorted(PRESETS))
+    p.add_argument("--recipes", default=",".join(RECIPES))
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-split", action="store_true", help="skip the quantize / dense time split")
+    p.add_argument("--budget-s", type=float, default=None, help="start no new recipe after this many seconds")
+    a = p.parse_args()
+    cfg, batch = PRESETS["quick" if a.quick else a.preset]
+    cfg = cfg.replace(num_layers=a.layers or cfg.num_layers)
+    batch = a.batch or batch
+    print(f"model: {cfg.num_layers} layers, d {cfg.d_model}, FFN {cfg.d_ff} ({cfg.activation}), {cfg.num_heads} heads, "
+          f"seq {cfg.seq_len}, batch {batch}, {cfg.num_params() / 1e9:.2f} B params; {jax.devices()[0].device_kind}")
+    rows, t_start, skipped = [], time.perf_counter(), []
+    for name in a.recipes.split(","):
+        if a.budget_s is not None and time.perf_counter() - t_start > a.budget_s:
+            skipped.append(name)
+            continue
+        rows.append(run_recipe(name, cfg, batch, a.steps, a.warmup, not a.no_split))
+        print(f"  {name}: {rows[-1]['step_ms']:.2f} ms", flush=True)
+    base = next((r for r in rows if r["recipe"] == "bf16"), None)
+    for r in rows:
+        if base:
+            r["vs_bf16"] = r["step_ms"] / base["step_ms"]
+            if r["memory_gib"] and base["memory_gib"]:
+                r["memory_vs_bf16"] = r["memory_gib"] / base["memory_gib"]
+    print_table(rows, ["recipe", "step_ms", "vs_bf16", "tokens_per_s", "mfu", "memory_gib", "memory_vs_bf16",
+                       "quantize_share", "gemm_share", "compile_s"])
+    if skipped:
+        print("skipped (time budget):", ", ".join(skipped))
+    out = write_json("train_step", rows, a.out, config=dict(cfg.__dict__), batch=batch, skipped=skipped)
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()

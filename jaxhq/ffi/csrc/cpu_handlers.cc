@@ -1,0 +1,52 @@
+// CPU FFI handlers: amax, quantize (any rowwise/columnwise pair), dequantize.
+#include "ffi_args.h"
+#include "handlers.h"
+
+namespace ffi = xla::ffi;
+using namespace jaxhq;
+
+static ffi::Error cpu_amax(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> amax,
+                           ffi::Result<ffi::Buffer<ffi::F32>> amax_rht, int32_t rht) {
+  int32_t dt;
+  int64_t b, m, k;
+  if (auto e = in_dtype(x.element_type(), &dt); e.failure()) return e;
+  if (auto e = split_dims(x, &b, &m, &k); e.failure()) return e;
+  if (rht && m % 16) return ffi::Error::InvalidArgument("jaxhq amax: RHT needs rows to be a multiple of 16");
+  amax_cpu(x.untyped_data(), dt, b, m, k, rht != 0, amax->typed_data(), amax_rht->typed_data());
+  return ffi::Error::Success();
+}
+
+static ffi::Error cpu_quantize(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::U32> seed,
+                               ffi::Result<ffi::AnyBuffer> rd, ffi::Result<ffi::AnyBuffer> rs,
+                               ffi::Result<ffi::AnyBuffer> cd, ffi::Result<ffi::AnyBuffer> cs, int32_t row_fmt,
+                               int32_t row_opts, int32_t col_fmt, int32_t col_opts) {
+  QuantizeArgs a;
+  if (auto e = make_quantize_args(x, scales, seed, rd, rs, cd, cs, row_fmt, row_opts, col_fmt, col_opts, &a);
+      e.failure())
+    return e;
+  quantize_cpu(a);
+  return ffi::Error::Success();
+}
+
+static ffi::Error cpu_dequantize(ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> scalar,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t fmt, int32_t opts) {
+  DequantizeArgs a;
+  if (auto e = make_dequantize_args(data, scale, scalar, out, fmt, opts, &a); e.failure()) return e;
+  dequantize_cpu(a);
+  return ffi::Error::Success();
+}
+
+// The same quantize writing into buffers the caller provides (aliased inputs 3..6 = outputs 0..3): tests
+// poison them first to prove every output element is written.
+static ffi::Error cpu_quantize_into(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::U32> seed,
+                               ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
+                               ffi::Result<ffi::AnyBuffer> rd, ffi::Result<ffi::AnyBuffer> rs,
+                               ffi::Result<ffi::AnyBuffer> cd, ffi::Result<ffi::AnyBuffer> cs, int32_t row_fmt,
+                               int32_t row_opts, int32_t col_fmt, int32_t col_opts) {
+  return cpu_quantize(x, scales, seed, rd, rs, cd, cs, row_fmt, row_opts, col_fmt, col_opts);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cpu_amax, cpu_amax, bind_amax(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cpu_quantize, cpu_quantize, bind_quantize(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cpu_quantize_into, cpu_quantize_into, bind_quantize_into(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cpu_dequantize, cpu_dequantize, bind_dequantize(ffi::Ffi::Bind()));

@@ -1,0 +1,63 @@
+// CUDA FFI handlers: the same targets and signatures as cpu_handlers.cc, on the call's stream.
+#include <cuda_runtime.h>
+
+#include "cuda_launch.h"
+#include "ffi_args.h"
+#include "handlers.h"
+
+namespace ffi = xla::ffi;
+using namespace jaxhq;
+
+static ffi::Error status(const std::string& err, const char* what) {
+  if (err.empty()) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jaxhq ") + what + ": CUDA error: " + err);
+}
+
+static ffi::Error cuda_amax(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> amax,
+                            ffi::Result<ffi::Buffer<ffi::F32>> amax_rht, int32_t rht) {
+  int32_t dt;
+  int64_t b, m, k;
+  if (auto e = in_dtype(x.element_type(), &dt); e.failure()) return e;
+  if (auto e = split_dims(x, &b, &m, &k); e.failure()) return e;
+  if (rht && m % 16) return ffi::Error::InvalidArgument("jaxhq amax: RHT needs rows to be a multiple of 16");
+  return status(launch_amax(x.untyped_data(), dt, b, m, k, rht != 0, amax->typed_data(), amax_rht->typed_data(),
+                            stream),
+                "amax");
+}
+
+static ffi::Error cuda_quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales,
+                                ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> rd,
+                                ffi::Result<ffi::AnyBuffer> rs, ffi::Result<ffi::AnyBuffer> cd,
+                                ffi::Result<ffi::AnyBuffer> cs, int32_t row_fmt, int32_t row_opts, int32_t col_fmt,
+                                int32_t col_opts) {
+  QuantizeArgs a;
+  if (auto e = make_quantize_args(x, scales, seed, rd, rs, cd, cs, row_fmt, row_opts, col_fmt, col_opts, &a);
+      e.failure())
+    return e;
+  return status(launch_quantize(a, stream), "quantize");
+}
+
+static ffi::Error cuda_dequantize(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer scale,
+                                  ffi::Buffer<ffi::F32> scalar, ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t fmt,
+                                  int32_t opts) {
+  DequantizeArgs a;
+  if (auto e = make_dequantize_args(data, scale, scalar, out, fmt, opts, &a); e.failure()) return e;
+  return status(launch_dequantize(a, stream), "dequantize");
+}
+
+// The same quantize writing into buffers the caller provides (aliased inputs 3..6 = outputs 0..3): tests
+// poison them first to prove every output element is written.
+static ffi::Error cuda_quantize_into(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::U32> seed,
+                               ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
+                               ffi::Result<ffi::AnyBuffer> rd, ffi::Result<ffi::AnyBuffer> rs,
+                               ffi::Result<ffi::AnyBuffer> cd, ffi::Result<ffi::AnyBuffer> cs, int32_t row_fmt,
+                               int32_t row_opts, int32_t col_fmt, int32_t col_opts) {
+  return cuda_quantize(stream, x, scales, seed, rd, rs, cd, cs, row_fmt, row_opts, col_fmt, col_opts);
+}
+
+static auto cuda_bind() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_amax, cuda_amax, bind_amax(cuda_bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_quantize, cuda_quantize, bind_quantize(cuda_bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_quantize_into, cuda_quantize_into, bind_quantize_into(cuda_bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_dequantize, cuda_dequantize, bind_dequantize(cuda_bind()));

@@ -1,0 +1,13 @@
+// Host-side entry points of the CUDA kernels (plain C++: the handlers include no CUDA headers of ours).
+#pragma once
+#include <string>
+
+#include "cpu_quantize.h"
+
+namespace jaxhq {
+// Each returns an empty string on success, else the CUDA error text.
+std::string launch_amax(const void* x, int32_t dtype, int64_t batch, int64_t m, int64_t k, bool rht, float* amax,
+                        float* amax_rht, void* stream);
+std::string launch_quantize(const QuantizeArgs& a, void* stream);
+std::string launch_dequantize(const DequantizeArgs& a, void* stream);
+}  // namespace jaxhq

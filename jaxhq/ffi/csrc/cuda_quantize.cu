@@ -1,0 +1,296 @@
+// The hybrid tile kernel: one CTA reads a 128x128 tile of x into shared memory once, then runs the
+// rowwise copy's format epilogue (blocks along the tile's rows) and the columnwise copy's (blocks along its
+// columns, written transposed). Every single-format quantization is this kernel with the same (or no)
+// format on the other side. Numerics: numerics.h, equal to the CPU handlers bit for bit.
+//
+// Work split: each copy's tile is 128 copy-rows x 8 chunks of 16 elements; thread t handles chunks
+// t, t+256, t+512, t+768 with the copy row varying fastest across a warp (conflict-free shared reads in
+// both orientations, the smem row stride being odd). Phase A: per-chunk amax into shared memory;
+// phase B: block amax from the chunk amaxes, scale, encode, store.
+#include "cuda_common.cuh"
+#include "cuda_launch.h"
+
+#include <cstdlib>
+
+namespace jaxhq {
+namespace {
+
+constexpr int kTile = 128, kThreads = 256, kChunks = kTile / 16;
+
+// The tile is kept in the input dtype; the row stride (in 4-byte words: 129 for float, 65 for 16-bit types)
+// is odd, so reading 32 consecutive rows or 32 consecutive columns hits 32 different banks.
+template <typename T>
+struct Smem {
+  static constexpr int kStride = sizeof(T) == 4 ? kTile + 1 : kTile + 2;
+  T tile[kTile * kStride];
+  float camax[2][kTile * kChunks];  // [side][copy_row * 8 + chunk]
+  float tamax[2];
+};
+
+struct SideParams {
+  int32_t fmt, opts;
+  uint8_t* data;
+  uint8_t* scale;
+  int64_t R, C;        // the copy's shape
+  int64_t dbytes, sbytes;  // per batch element
+};
+
+struct Params {
+  const void* x;
+  int64_t m, k;
+  const float* scales;
+  const uint32_t* seed;
+  SideParams side[2];
+};
+
+// 8 consecutive elements of x (row r, columns c..c+7 of the tile) as raw bytes, zero outside x; one 16-byte
+// load (two for float) when the row is 16-byte aligned and the 8 are in bounds.
+template <typename T>
+__device__ __forceinline__ void load8(const T* __restrict__ x, int64_t m, int64_t k, int64_t gr, int64_t gc,
+                                      bool vec_ok, uint4 (&raw)[sizeof(T) / 2]) {
+  if (gr < m && gc + 8 <= k && vec_ok) {
+    const uint4* p = reinterpret_cast<const uint4*>(x + gr * k + gc);
+#pragma unroll
+    for (int j = 0; j < int(sizeof(T) / 2); ++j) raw[j] = __ldg(p + j);
+  } else {
+    T v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = (gr < m && gc + i < k) ? x[gr * k + gc + i] : T(0.0f);
+    memcpy(raw, v, sizeof(v));
+  }
+}
+
+// The tile [r0, r0+128) x [c0, c0+128) of x into shared memory. kBatched: every load of the thread is issued
+// before the first shared-memory store (8 x 16 B in flight per thread instead of one: latency hiding);
+// otherwise load and store alternate (the version the first H100 run measured).
+template <typename T, bool kBatched>
+__device__ __forceinline__ void load_tile(const T* __restrict__ x, int64_t m, int64_t k, int64_t r0, int64_t c0,
+                                          T* tile) {
+  constexpr int kStride = Smem<T>::kStride, kIters = kTile * kTile / 8 / kThreads;
+  const bool vec_ok = (k * sizeof(T)) % 16 == 0;
+  auto store = [&](int idx, const uint4 (&raw)[sizeof(T) / 2]) {
+    const int r = idx / (kTile / 8), c = (idx % (kTile / 8)) * 8;
+    T v[8];
+    memcpy(v, raw, sizeof(v));
+#pragma unroll
+    for (int i = 0; i < 8; ++i) tile[r * kStride + c + i] = v[i];
+  };
+  if constexpr (kBatched) {
+    uint4 raw[kIters][sizeof(T) / 2];
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int idx = it * kThreads + threadIdx.x, r = idx / (kTile / 8), c = (idx % (kTile / 8)) * 8;
+      load8<T>(x, m, k, r0 + r, c0 + c, vec_ok, raw[it]);
+    }
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) store(it * kThreads + threadIdx.x, raw[it]);
+  } else {
+    for (int idx = threadIdx.x; idx < kTile * kTile / 8; idx += kThreads) {
+      const int r = idx / (kTile / 8), c = (idx % (kTile / 8)) * 8;
+      uint4 raw[sizeof(T) / 2];
+      load8<T>(x, m, k, r0 + r, c0 + c, vec_ok, raw);
+      store(idx, raw);
+    }
+  }
+}
+
+// 16 values of chunk `ch` of copy row `cr`; columnwise copies read the tile transposed.
+template <typename T>
+__device__ __forceinline__ void read_chunk(const T* tile, int s, int cr, int ch, bool rht, float* v) {
+  constexpr int kStride = Smem<T>::kStride;
+#pragma unroll
+  for (int e = 0; e < 16; ++e)
+    v[e] = to_f32(s == 0 ? tile[cr * kStride + ch * 16 + e] : tile[(ch * 16 + e) * kStride + cr]);
+  if (rht) rht16(v);
+}
+
+template <typename T> __device__ constexpr int dtype_id() { return kF32; }
+template <> __device__ constexpr int dtype_id<__nv_bfloat16>() { return kBF16; }
+template <> __device__ constexpr int dtype_id<__half>() { return kF16; }
+
+template <typename T, bool kBatched>
+__global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Smem<T>& sm = *reinterpret_cast<Smem<T>*>(smem_raw);
+  const int64_t b = blockIdx.z;
+  const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
+  load_tile<T, kBatched>(static_cast<const T*>(p.x) + b * p.m * p.k, p.m, p.k, r0, c0, sm.tile);
+  __syncthreads();
+
+  // Phase A: chunk amaxes for the block-scaled formats.
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const SideParams& sp = p.side[s];
+    if (sp.fmt == kNone || sp.fmt == kFp8Tensor) continue;
+    const bool rht = sp.fmt == kNvfp4 && (sp.opts & kRHT);
+    for (int it = 0; it < kTile * kChunks / kThreads; ++it) {
+      const int id = it * kThreads + threadIdx.x, cr = id % kTile, ch = id / kTile;
+      float v[16];
+      read_chunk(sm.tile, s, cr, ch, rht, v);
+      float a = 0.0f;
+#pragma unroll
+      for (int e = 0; e < 16; ++e) a = amax_acc(a, v[e]);
+      sm.camax[s][cr * kChunks + ch] = a;
+    }
+  }
+  __syncthreads();
+  // 128x128 tiles: one amax for the whole tile.
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    if (p.side[s].fmt != kFp8Block2) continue;
+    if (threadIdx.x < 32) {
+      float a = 0.0f;
+      for (int i = threadIdx.x; i < kTile * kChunks; i += 32) a = nmax(a, sm.camax[s][i]);
+      a = warp_nmax(a);
+      if (threadIdx.x == 0) sm.tamax[s] = a;
+    }
+  }
+  __syncthreads();
+
+  // Phase B: scales, encode, store.
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const SideParams& sp = p.side[s];
+    if (sp.fmt == kNone) continue;
+    const int64_t R = sp.R, C = sp.C;
+    const int64_t cr0 = s == 0 ? r0 : c0, cc0 = s == 0 ? c0 : r0;  // this tile's origin in the copy
+    uint8_t* data = sp.data + b * sp.dbytes;
+    uint8_t* scale = sp.scale + b * sp.sbytes;
+    const bool e5 = sp.opts & kE5M2;
+    const float tscale = p.scales[2 * b + s];
+    for (int it = 0; it < kTile * kChunks / kThreads; ++it) {
+      const int id = it * kThreads + threadIdx.x, cr = id % kTile, ch = id / kTile;
+      const int64_t gr = cr0 + cr, gc = cc0 + ch * 16;
+      if (gr >= R || gc >= C) continue;
+      float v[16];
+      read_chunk(sm.tile, s, cr, ch, sp.fmt == kNvfp4 && (sp.opts & kRHT), v);
+      if (sp.fmt == kNvfp4) {
+        float a = sm.camax[s][cr * kChunks + ch];
+        if (sp.opts & kBlock2D) {
+          const int base = cr & ~15;
+          a = 0.0f;
+#pragma unroll
+          for (int i = 0; i < 16; ++i) a = nmax(a, sm.camax[s][(base + i) * kChunks + ch]);
+        }
+        const float dec = nvfp4_decode_value(a, tscale);
+        scale[gr * ((C + 15) / 16) + gc / 16] = fp8_encode_sw(dec, false);
+        const float enc = nvfp4_encode_mult(dec, tscale);
+        const bool sr = sp.opts & kStochastic;
+        const uint32_t* sd = p.seed + kSeedWords * b;
+        const uint32_t s0 = sd[0], s1 = sd[1];
+        const SrIndex si = sr_index(sd, s);
+        uint8_t out[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          uint8_t code[2];
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float t = nclip(v[2 * i + j] * enc, -6.0f, 6.0f);
+            const int64_t c = gc + 2 * i + j;
+            code[j] = sr ? e2m1_code_sr(t, sr_uniform(s0, s1, uint32_t(s), (uint64_t(gr) + si.roff) * si.cols + uint64_t(c) + si.coff))
+                         : e2m1_code(t);
+            if (c >= C) code[j] = 0;
+          }
+          out[i] = uint8_t(code[0] | (code[1] << 4));
+        }
+        const int64_t pc = (C + 1) / 2;
+        uint8_t* dst = data + gr * pc + gc / 2;
+        if (gc + 16 <= C && pc % 8 == 0) {
+          *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(out);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            if (gc + 2 * i < C) dst[i] = out[i];
+        }
+        continue;
+      }
+      float mult;
+      if (sp.fmt == kFp8Tensor) {
+        mult = tscale;
+      } else if (sp.fmt == kMxfp8) {
+        const int c2 = ch & ~1;
+        const float a = nmax(sm.camax[s][cr * kChunks + c2], sm.camax[s][cr * kChunks + c2 + 1]);
+        const uint8_t e = e8m0_round_up(round_to_dtype_sw(mx_q(a, e5), dtype_id<T>()));
+        mult = e8m0_reciprocal(e);
+        if ((ch & 1) == 0) scale[gr * ((C + 31) / 32) + gc / 32] = e;
+      } else {
+        float a;
+        if (sp.fmt == kFp8Block1) {
+          a = 0.0f;
+#pragma unroll
+          for (int i = 0; i < kChunks; ++i) a = nmax(a, sm.camax[s][cr * kChunks + i]);
+        } else {
+          a = sm.tamax[s];
+        }
+        mult = block_scale(a, sp.opts & kPow2);
+        float* fs = reinterpret_cast<float*>(scale);
+        const int64_t nb = (C + 127) / 128;
+        if (sp.fmt == kFp8Block1 && ch == 0) fs[gr * nb + cc0 / 128] = div_ref(1.0f, mult);
+        if (sp.fmt == kFp8Block2 && ch == 0 && cr == 0) fs[(cr0 / 128) * nb + cc0 / 128] = div_ref(1.0f, mult);
+      }
+      alignas(16) uint16_t out[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out[i] = fp8x2(v[2 * i] * mult, v[2 * i + 1] * mult, e5);
+      uint8_t* dst = data + gr * C + gc;
+      if (gc + 16 <= C && C % 16 == 0) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(out);
+      } else {
+        const uint8_t* o = reinterpret_cast<const uint8_t*>(out);
+        for (int i = 0; i < 16 && gc + i < C; ++i) dst[i] = o[i];
+      }
+    }
+  }
+}
+
+// JAXHQ_TILE_LOAD=batched selects the batched tile load (not yet measured on a GPU; see docs/ffi.md).
+bool batched_load() {
+  static const bool on = [] {
+    const char* v = std::getenv("JAXHQ_TILE_LOAD");
+    return v != nullptr && std::string(v) == "batched";
+  }();
+  return on;
+}
+
+template <typename T, bool kBatched>
+std::string launch_tb(const Params& p, int64_t batch, cudaStream_t s) {
+  const size_t smem = sizeof(Smem<T>);
+  // Above 48 KB of dynamic shared memory needs the opt-in (cheap; per device, so set at every launch).
+  if (smem > 48 * 1024)
+    cudaFuncSetAttribute(quantize_tile_kernel<T, kBatched>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         int(smem));
+  dim3 grid(unsigned((p.k + kTile - 1) / kTile), unsigned((p.m + kTile - 1) / kTile), unsigned(batch));
+  quantize_tile_kernel<T, kBatched><<<grid, kThreads, smem, s>>>(p);
+  return cuda_status();
+}
+
+template <typename T>
+std::string launch_t(const Params& p, int64_t batch, cudaStream_t s) {
+  return batched_load() ? launch_tb<T, true>(p, batch, s) : launch_tb<T, false>(p, batch, s);
+}
+
+}  // namespace
+
+std::string launch_quantize(const QuantizeArgs& a, void* stream) {
+  if (a.m * a.k * a.batch == 0) return std::string();
+  Params p;
+  p.x = a.x;
+  p.m = a.m;
+  p.k = a.k;
+  p.scales = a.scales;
+  p.seed = a.seed;
+  const CopySpec* cs[2] = {&a.row, &a.col};
+  for (int s = 0; s < 2; ++s) {
+    const int64_t R = s == 0 ? a.m : a.k, C = s == 0 ? a.k : a.m;
+    p.side[s] = SideParams{cs[s]->fmt, cs[s]->opts, static_cast<uint8_t*>(cs[s]->data),
+                           static_cast<uint8_t*>(cs[s]->scale), R, C, data_bytes(cs[s]->fmt, R, C),
+                           scale_bytes(cs[s]->fmt, R, C)};
+  }
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (a.dtype) {
+    case kBF16: return launch_t<__nv_bfloat16>(p, a.batch, s);
+    case kF16: return launch_t<__half>(p, a.batch, s);
+    default: return launch_t<float>(p, a.batch, s);
+  }
+}
+
+}  // namespace jaxhq

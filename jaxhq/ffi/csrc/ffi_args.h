@@ -1,0 +1,142 @@
+// Turning FFI buffers and attributes into QuantizeArgs / DequantizeArgs, shared by the CPU and CUDA handlers.
+#pragma once
+#include <string>
+#include <utility>
+
+#include "cpu_quantize.h"
+#include "numerics.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxhq {
+namespace ffi = xla::ffi;
+
+inline ffi::Error in_dtype(ffi::DataType t, int32_t* out) {
+  switch (t) {
+    case ffi::DataType::F32: *out = kF32; return ffi::Error::Success();
+    case ffi::DataType::BF16: *out = kBF16; return ffi::Error::Success();
+    case ffi::DataType::F16: *out = kF16; return ffi::Error::Success();
+    default: return ffi::Error::InvalidArgument("jaxhq quantize: input must be float32, bfloat16 or float16");
+  }
+}
+
+// [..., M, K] -> batch, M, K
+inline ffi::Error split_dims(const ffi::AnyBuffer& x, int64_t* batch, int64_t* m, int64_t* k) {
+  auto d = x.dimensions();
+  if (d.size() < 2) return ffi::Error::InvalidArgument("jaxhq: input must have rank >= 2");
+  *batch = 1;
+  for (size_t i = 0; i + 2 < d.size(); ++i) *batch *= d[i];
+  *m = d[d.size() - 2];
+  *k = d[d.size() - 1];
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_bytes(const char* what, const ffi::AnyBuffer& b, int64_t want) {
+  if (int64_t(b.size_bytes()) != want)
+    return ffi::Error::InvalidArgument(std::string("jaxhq quantize: output ") + what + " has " +
+                                       std::to_string(b.size_bytes()) + " bytes, expected " +
+                                       std::to_string(want));
+  return ffi::Error::Success();
+}
+
+inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& scales,
+                                     const ffi::Buffer<ffi::U32>& seed, ffi::Result<ffi::AnyBuffer>& rd,
+                                     ffi::Result<ffi::AnyBuffer>& rs, ffi::Result<ffi::AnyBuffer>& cd,
+                                     ffi::Result<ffi::AnyBuffer>& cs, int32_t row_fmt, int32_t row_opts,
+                                     int32_t col_fmt, int32_t col_opts, QuantizeArgs* a) {
+  if (auto e = in_dtype(x.element_type(), &a->dtype); e.failure()) return e;
+  if (auto e = split_dims(x, &a->batch, &a->m, &a->k); e.failure()) return e;
+  if (row_fmt < 0 || row_fmt > 5 || col_fmt < 0 || col_fmt > 5)
+    return ffi::Error::InvalidArgument("jaxhq quantize: unknown format id");
+  if ((col_fmt == kNvfp4 && (col_opts & kRHT) && a->m % 16) || (row_fmt == kNvfp4 && (row_opts & kRHT) && a->k % 16))
+    return ffi::Error::InvalidArgument("jaxhq quantize: RHT needs the transformed axis to be a multiple of 16");
+  if (int64_t(scales.element_count()) != 2 * a->batch ||
+      int64_t(seed.element_count()) != kSeedWords * a->batch)
+    return ffi::Error::InvalidArgument("jaxhq quantize: scales must be [batch, 2] and seed [batch, 6]");
+  const int64_t B = a->batch, M = a->m, K = a->k;
+  if (auto e = check_bytes("row data", *rd, B * data_bytes(row_fmt, M, K)); e.failure()) return e;
+  if (auto e = check_bytes("row scale", *rs, B * scale_bytes(row_fmt, M, K)); e.failure()) return e;
+  if (auto e = check_bytes("col data", *cd, B * data_bytes(col_fmt, K, M)); e.failure()) return e;
+  if (auto e = check_bytes("col scale", *cs, B * scale_bytes(col_fmt, K, M)); e.failure()) return e;
+  a->x = x.untyped_data();
+  a->scales = scales.typed_data();
+  a->seed = seed.typed_data();
+  a->row = CopySpec{row_fmt, row_opts, rd->untyped_data(), rs->untyped_data()};
+  a->col = CopySpec{col_fmt, col_opts, cd->untyped_data(), cs->untyped_data()};
+  return ffi::Error::Success();
+}
+
+inline ffi::Error make_dequantize_args(const ffi::AnyBuffer& data, const ffi::AnyBuffer& scale,
+                                       const ffi::Buffer<ffi::F32>& scalar, ffi::Result<ffi::Buffer<ffi::F32>>& out,
+                                       int32_t fmt, int32_t opts, DequantizeArgs* a) {
+  auto d = out->dimensions();
+  if (d.size() < 2) return ffi::Error::InvalidArgument("jaxhq dequantize: output must have rank >= 2");
+  a->batch = 1;
+  for (size_t i = 0; i + 2 < d.size(); ++i) a->batch *= d[i];
+  a->r = d[d.size() - 2];
+  a->c = d[d.size() - 1];
+  if (fmt < 1 || fmt > 5) return ffi::Error::InvalidArgument("jaxhq dequantize: unknown format id");
+  if (int64_t(data.size_bytes()) != a->batch * data_bytes(fmt, a->r, a->c) ||
+      int64_t(scale.size_bytes()) != a->batch * scale_bytes(fmt, a->r, a->c) ||
+      int64_t(scalar.element_count()) != a->batch)
+    return ffi::Error::InvalidArgument("jaxhq dequantize: data/scale/scalar sizes do not match the output shape");
+  a->data = data.untyped_data();
+  a->scale = scale.untyped_data();
+  a->scalar = scalar.typed_data();
+  a->out = out->typed_data();
+  a->fmt = fmt;
+  a->opts = opts;
+  return ffi::Error::Success();
+}
+
+// FFI bindings shared by the CPU and CUDA handlers; each platform passes its Bind() (CUDA: with the stream).
+// Binding's builder methods take *this as an rvalue, hence the moves.
+template <typename B>
+auto bind_amax(B&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attr<int32_t>("rht");
+}
+
+template <typename B>
+auto bind_quantize_outputs(B&& b) {  // row data, row scale, col data, col scale and the four format attributes
+  return std::move(b).template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int32_t>("row_fmt")
+      .template Attr<int32_t>("row_opts")
+      .template Attr<int32_t>("col_fmt")
+      .template Attr<int32_t>("col_opts");
+}
+
+template <typename B>
+auto bind_quantize_inputs(B&& b) {  // x, scales [batch, 2], seed [batch, kSeedWords]
+  return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::F32>>().template Arg<ffi::Buffer<ffi::U32>>();
+}
+
+template <typename B>
+auto bind_quantize(B&& b) {
+  return bind_quantize_outputs(bind_quantize_inputs(std::move(b)));
+}
+
+template <typename B>
+auto bind_quantize_into(B&& b) {  // + the four output buffers, aliased to the results
+  return bind_quantize_outputs(bind_quantize_inputs(std::move(b))
+                                   .template Arg<ffi::AnyBuffer>()
+                                   .template Arg<ffi::AnyBuffer>()
+                                   .template Arg<ffi::AnyBuffer>()
+                                   .template Arg<ffi::AnyBuffer>());
+}
+
+template <typename B>
+auto bind_dequantize(B&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attr<int32_t>("fmt")
+      .template Attr<int32_t>("opts");
+}
+
+}  // namespace jaxhq

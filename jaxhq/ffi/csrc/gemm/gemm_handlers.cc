@@ -1,0 +1,781 @@
+// XLA FFI handlers of the GEMMs (every one computes out[M, N] = A[M, K] @ B[N, K].T, both K-major):
+//   jaxhq_gemm_fp8: FP8 x FP8 through cuBLASLt, scales read on the device: per-tensor fp32 scalars, or
+//                   (Hopper, cuBLASLt >= 12.9) 1x128 / 128x128 fp32 block scales re-laid-out in scratch.
+//   jaxhq_gemm_dq:  MXFP8 or NVFP4 dequantized exactly to bf16 in scratch, then a cuBLASLt bf16 GEMM with
+//                   the NVFP4 global scales as alpha on the device.
+// Optional bias [N] and accumulate-into (out aliases the `c` input). Workspace and temporaries come from
+// XLA's scratch allocator. cuBLASLt row-major trick: D^T[N, M] = op(B_data)^T ... i.e. cuBLAS's A is our B
+// (transposed), cuBLAS's B is our A.
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <algorithm>
+#include <mutex>
+#include <vector>
+#include <string>
+#include <unordered_map>
+
+#include "cublaslt.h"
+#include "gemm_kernels.h"
+#include "registry.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxhq {
+namespace {
+
+constexpr size_t kWorkspace = 32u << 20;  // cuBLASLt workspace (Hopper recommends 32 MiB)
+constexpr size_t kScratchAlign = 16;  // the most XLA's FFI scratch allocator accepts (its BFC blocks are 256-aligned)
+
+enum ScaleMode : int32_t { kTensor = 0, kVec128 = 1, kBlk128 = 2 };
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t rup(int64_t a, int64_t b) { return cdiv(a, b) * b; }
+enum DqFmt : int32_t { kMxE4M3 = 1, kMxE5M2 = 2, kNvfp4 = 3 };
+
+ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument("jaxhq gemm: " + msg); }
+ffi::Error internal(const std::string& msg) { return ffi::Error::Internal("jaxhq gemm: " + msg); }
+
+std::string dims(const ffi::AnyBuffer& b) {
+  std::string s = "[";
+  auto d = b.dimensions();
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+bool is_2d(const ffi::AnyBuffer& b, int64_t r, int64_t c) {
+  auto d = b.dimensions();
+  return d.size() == 2 && d[0] == r && d[1] == c;
+}
+
+uint32_t alignment_of(const void* p) {
+  uintptr_t v = reinterpret_cast<uintptr_t>(p);
+  uint32_t a = 256;
+  while (a > 1 && (v % a)) a /= 2;
+  return a;
+}
+
+struct Scratch {
+  ffi::ScratchAllocator& alloc;
+  void* ws = nullptr;  // the cuBLASLt workspace, allocated on first use and shared by all GEMMs of a call
+  void* get(size_t bytes) {
+    bytes = (bytes + 255) / 256 * 256;  // keep later allocations 256-byte aligned
+    auto p = alloc.Allocate((bytes ? bytes : 256), kScratchAlign);
+    return p.has_value() ? *p : nullptr;
+  }
+  void* workspace() {
+    if (!ws) ws = get(kWorkspace);
+    return ws;
+  }
+};
+
+// One cuBLASLt call in our terms.
+struct LtCall {
+  int32_t type_a, type_b;           // data types of our A [M, K] and B [N, K]
+  const void *a, *b;                // our A and B
+  int64_t m, n, k;
+  const void *scale_a, *scale_b;    // device scale pointers (null: 1)
+  int32_t mode_a, mode_b;           // cuBLASLt scale modes
+  int32_t out_type;                 // kR32F or kR16BF
+  void* d;                          // out [M, N]
+  const void* bias;                 // [N] of out_type, or null
+  bool accumulate;                  // out += ...
+  bool fast_accum;
+  const float* alpha_beta;          // device {alpha, beta} (null: host 1 and accumulate ? 1 : 0)
+};
+
+struct Plan {
+  lt::Heuristic h;
+  bool found;
+};
+
+std::string lt_error(const char* what, lt::Status s) { return std::string(what) + " failed (cublasStatus " + std::to_string(s) + ")"; }
+
+// RAII holders for the descriptor objects.
+struct Descs {
+  lt::MatmulDesc op = nullptr;
+  lt::Layout la = nullptr, lb = nullptr, lc = nullptr;
+  lt::Pref pref = nullptr;
+  ~Descs() {
+    const auto& A = lt::api();
+    if (op) A.MatmulDescDestroy(op);
+    if (la) A.MatrixLayoutDestroy(la);
+    if (lb) A.MatrixLayoutDestroy(lb);
+    if (lc) A.MatrixLayoutDestroy(lc);
+    if (pref) A.MatmulPreferenceDestroy(pref);
+  }
+};
+
+#define LT_TRY(expr, what)                         \
+  do {                                             \
+    lt::Status _s = (expr);                        \
+    if (_s != 0) return lt_error(what, _s);        \
+  } while (0)
+
+// Builds descriptors for `c` with or without the fused epilogue (bias in cuBLASLt, beta from accumulate).
+std::string build(const LtCall& c, bool fused, uint32_t align_d, Descs* ds) {
+  const auto& A = lt::api();
+  LT_TRY(A.MatmulDescCreate(&ds->op, lt::kCompute32F, lt::kR32F), "cublasLtMatmulDescCreate");
+  int32_t ta = lt::kOpT, tb = lt::kOpN;
+  LT_TRY(A.MatmulDescSetAttribute(ds->op, lt::kDescTransA, &ta, sizeof(ta)), "set TRANSA");
+  LT_TRY(A.MatmulDescSetAttribute(ds->op, lt::kDescTransB, &tb, sizeof(tb)), "set TRANSB");
+  if (c.alpha_beta) {
+    int32_t pm = lt::kPointerDevice;
+    LT_TRY(A.MatmulDescSetAttribute(ds->op, lt::kDescPointerMode, &pm, sizeof(pm)), "set POINTER_MODE");
+  }
+  // cuBLAS's A is our B and vice versa.
+  if (c.scale_b) {
+    LT_TRY(A.MatmulDescSetAttribute(ds->op, lt::kDescAScalePointer, &c.scale_b, sizeof(void*)), "set A_SCALE_POINTER");
+    if (c.mode_b != lt::kScaleScalar)
+      LT_TRY(A.MatmulDescSetAttribute(ds->op, lt::kDescAScaleMode, &c.mode_b, sizeof(int32_t)), "set A_SCALE_MODE");
+  }
+  if (c.scale_a) {
+    LT_TRY(A.MatmulDescSetAttribute(ds->op, lt::kDescBScalePointer, &c.scale_a, sizeof(void*)), "set B_SCALE_POINTER");
+    if (c.mode_a != lt::kScaleScalar)
+      LT_TRY(A.MatmulDescSetAttribute(ds->op, lt::kDescBScaleMode, &c.mode_a, sizeof(int32_t)), "set B_SCALE_MODE");
+  }
+  if (c.type_a == lt::kR8F_E4M3 || c.type_a == lt::kR8F_E5M2) {
+    int8_t fa = c.fast_accum ? 1 : 0;
+    LT_TRY(A.MatmulDescSetAttribute(ds->op, lt::kDescFastAccum, &fa, sizeof(fa)), "set FAST_ACCUM");
+  }
+  if (fused && c.bias) {
+    int32_t epi = lt::kEpilogueBias;
+    LT_TRY(A.MatmulDescSetAttribute(ds->op, lt::kDescEpilogue, &epi, sizeof(epi)), "set EPILOGUE");
+    LT_TRY(A.MatmulDescSetAttribute(ds->op, lt::kDescBiasPointer, &c.bias, sizeof(void*)), "set BIAS_POINTER");
+    LT_TRY(A.MatmulDescSetAttribute(ds->op, lt::kDescBiasDataType, &c.out_type, sizeof(int32_t)), "set BIAS_DATA_TYPE");
+  }
+  LT_TRY(A.MatrixLayoutCreate(&ds->la, c.type_b, c.k, c.n, c.k), "layout A");
+  LT_TRY(A.MatrixLayoutCreate(&ds->lb, c.type_a, c.k, c.m, c.k), "layout B");
+  LT_TRY(A.MatrixLayoutCreate(&ds->lc, c.out_type, c.n, c.m, c.n), "layout C/D");
+  LT_TRY(A.MatmulPreferenceCreate(&ds->pref), "preference");
+  uint64_t ws = kWorkspace;
+  LT_TRY(A.MatmulPreferenceSetAttribute(ds->pref, lt::kPrefMaxWorkspace, &ws, sizeof(ws)), "set MAX_WORKSPACE");
+  uint32_t al[4] = {alignment_of(c.b), alignment_of(c.a), align_d, align_d};
+  for (int i = 0; i < 4; ++i)
+    LT_TRY(A.MatmulPreferenceSetAttribute(ds->pref, 5 + i, &al[i], sizeof(uint32_t)), "set MIN_ALIGNMENT");
+  return "";
+}
+
+std::string plan_key(const LtCall& c, bool fused, uint32_t align_d) {
+  char buf[320];
+  int dev = 0;
+  cudaGetDevice(&dev);
+  snprintf(buf, sizeof(buf), "%d|%d,%d|%lld,%lld,%lld|%d,%d,%d,%d|%d|%d,%d,%d|%d|%d|%u,%u,%u", dev, c.type_a,
+           c.type_b, (long long)c.m, (long long)c.n, (long long)c.k, c.scale_a != nullptr, c.scale_b != nullptr,
+           c.mode_a, c.mode_b, c.out_type, fused && c.bias != nullptr, fused && c.accumulate, c.fast_accum,
+           c.alpha_beta != nullptr, int(fused), alignment_of(c.a), alignment_of(c.b), align_d);
+  return buf;
+}
+
+// Finds (and caches) an algorithm; *found = false when cuBLASLt has none for this configuration.
+std::string get_plan(lt::Handle h, const LtCall& c, bool fused, uint32_t align_d, Descs* ds, Plan* plan) {
+  static std::mutex mu;
+  static std::unordered_map<std::string, Plan> cache;
+  std::string err = build(c, fused, align_d, ds);
+  if (!err.empty()) {
+    plan->found = false;
+    return fused ? std::string() : err;  // a fused epilogue attribute may be unsupported: try unfused
+  }
+  std::string key = plan_key(c, fused, align_d);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) {
+      *plan = it->second;
+      return "";
+    }
+  }
+  int n = 0;
+  lt::Heuristic r[1];
+  std::memset(r, 0, sizeof(r));
+  lt::Status s = lt::api().MatmulAlgoGetHeuristic(h, ds->op, ds->la, ds->lb, ds->lc, ds->lc, ds->pref, 1, r, &n);
+  plan->found = (s == 0 && n > 0);
+  if (plan->found) plan->h = r[0];
+  std::lock_guard<std::mutex> lock(mu);
+  cache[key] = *plan;
+  return "";
+}
+
+// `unsupported` (optional) is set when cuBLASLt itself refused (no algorithm, or the call failed), so the
+// caller may retry with a padded problem.
+ffi::Error run_lt(cudaStream_t stream, Scratch& scratch, const LtCall& c, bool* unsupported = nullptr) {
+  bool dummy = false;
+  bool& unsup = unsupported ? *unsupported : dummy;
+  unsup = false;
+  const auto& A = lt::api();
+  if (!A.error.empty()) return internal(A.error);
+  lt::Handle h;
+  if (lt::Status s = lt::handle(&h); s != 0) return internal(lt_error("cublasLtCreate", s));
+  void* ws = scratch.workspace();
+  if (!ws) return internal("scratch allocation of the cuBLASLt workspace failed");
+  const float one = 1.0f, zero = 0.0f;
+  const size_t out_bytes = c.out_type == lt::kR32F ? 4 : 2;
+
+  // 1. fused: bias in the epilogue, accumulate through beta with C = D.
+  {
+    Descs ds;
+    Plan p{};
+    std::string err = get_plan(h, c, true, alignment_of(c.d), &ds, &p);
+    if (!err.empty()) return internal(err);
+    if (p.found) {
+      const void* alpha = c.alpha_beta ? static_cast<const void*>(c.alpha_beta) : &one;
+      const void* beta = c.alpha_beta ? static_cast<const void*>(c.alpha_beta + 1) : (c.accumulate ? &one : &zero);
+      lt::Status s = A.Matmul(h, ds.op, alpha, c.b, ds.la, c.a, ds.lb, beta, c.d, ds.lc, c.d, ds.lc, &p.h.algo, ws,
+                              kWorkspace, stream);
+      if (s == 0) return ffi::Error::Success();
+      if (!c.bias && !c.accumulate) return unsup = true, internal(lt_error("cublasLtMatmul", s));
+    } else if (!c.bias && !c.accumulate) {
+ unsup = true;
+      return internal("cuBLASLt has no algorithm for this GEMM (types " + std::to_string(c.type_a) + "x" +
+                      std::to_string(c.type_b) + ", scale modes " + std::to_string(c.mode_a) + "/" +
+                      std::to_string(c.mode_b) + ", out " + std::to_string(c.out_type) + ")");
+    }
+  }
+  // 2. unfused: plain GEMM into a temporary, then out = tmp + bias + (accumulate ? out : 0).
+  LtCall plain = c;
+  plain.bias = nullptr;
+  plain.accumulate = false;
+  void* tmp = scratch.get(size_t(c.m) * c.n * out_bytes);
+  if (!tmp) return internal("scratch allocation of the GEMM temporary failed");
+  plain.d = tmp;
+  float* ab = nullptr;
+  if (c.alpha_beta) {  // device alpha with beta = 0 for the temporary
+    ab = static_cast<float*>(scratch.get(2 * sizeof(float)));
+    if (!ab) return internal("scratch allocation failed");
+    cudaMemcpyAsync(ab, c.alpha_beta, sizeof(float), cudaMemcpyDeviceToDevice, stream);
+    cudaMemsetAsync(ab + 1, 0, sizeof(float), stream);
+    plain.alpha_beta = ab;
+  }
+  Descs ds;
+  Plan p{};
+  std::string err = get_plan(h, plain, false, alignment_of(tmp), &ds, &p);
+  if (!err.empty()) return internal(err);
+  if (!p.found) return unsup = true, internal("cuBLASLt has no algorithm for this GEMM");
+  const void* alpha = plain.alpha_beta ? static_cast<const void*>(plain.alpha_beta) : &one;
+  const void* beta = plain.alpha_beta ? static_cast<const void*>(plain.alpha_beta + 1) : &zero;
+  lt::Status s = A.Matmul(h, ds.op, alpha, plain.b, ds.la, plain.a, ds.lb, beta, tmp, ds.lc, tmp, ds.lc, &p.h.algo,
+                          ws, kWorkspace, stream);
+  if (s != 0) return unsup = true, internal(lt_error("cublasLtMatmul", s));
+  std::string e = gemm::epilogue(c.d, tmp, c.bias, c.m, c.n, c.out_type == lt::kR32F, c.accumulate, stream);
+  return e.empty() ? ffi::Error::Success() : internal("epilogue: " + e);
+}
+
+// Runs `c`; when cuBLASLt refuses it (seen: block-scaled FP8 with M = 1 or 17 on cuBLASLt 13.1), runs it
+// again with A's rows zero-padded to a multiple of 16 into scratch (A's 1x128 scales re-laid-out for the
+// padded rows from `sa_src`), into a scratch temporary whose first M rows the epilogue kernel moves to the
+// output with bias and accumulation.
+struct ScaleSrc {
+  const float* src = nullptr;
+  int32_t mode = kTensor;
+  int32_t layout = 0, pad = 4;
+};
+ffi::Error scale_ptr(cudaStream_t, Scratch&, const float*, int32_t, int64_t, int64_t, int32_t, int32_t, const void**,
+                     int32_t*, int64_t);
+
+ffi::Error run_with_retry(cudaStream_t stream, Scratch& scratch, LtCall c, size_t a_row_bytes, ScaleSrc sa) {
+  bool unsup = false;
+  ffi::Error first = run_lt(stream, scratch, c, &unsup);
+  if (!first.failure() || !unsup) return first;
+  const int64_t mp = rup(std::max<int64_t>(c.m, 1), 16);
+  const size_t out_bytes = c.out_type == lt::kR32F ? 4 : 2;
+  void* ap = scratch.get(size_t(mp) * a_row_bytes);
+  void* tmp = scratch.get(size_t(mp) * c.n * out_bytes);
+  if (!ap || !tmp) return internal("scratch allocation for the padded GEMM failed");
+  if (cudaMemsetAsync(ap, 0, size_t(mp) * a_row_bytes, stream) != cudaSuccess ||
+      cudaMemcpyAsync(ap, c.a, size_t(c.m) * a_row_bytes, cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
+    return internal("padding A failed");
+  LtCall p = c;
+  p.a = ap, p.m = mp, p.d = tmp, p.bias = nullptr, p.accumulate = false;
+  if (sa.src && sa.mode != kTensor)
+    if (auto e = scale_ptr(stream, scratch, sa.src, sa.mode, c.m, c.k, sa.layout, sa.pad, &p.scale_a, &p.mode_a, mp);
+        e.failure())
+      return e;
+  if (c.alpha_beta) {
+    float* ab = static_cast<float*>(scratch.get(2 * sizeof(float)));
+    if (!ab) return internal("scratch allocation failed");
+    cudaMemcpyAsync(ab, c.alpha_beta, sizeof(float), cudaMemcpyDeviceToDevice, stream);
+    cudaMemsetAsync(ab + 1, 0, sizeof(float), stream);
+    p.alpha_beta = ab;
+  }
+  if (auto e = run_lt(stream, scratch, p); e.failure()) return e;
+  std::string e = gemm::epilogue(c.d, tmp, c.bias, c.m, c.n, c.out_type == lt::kR32F, c.accumulate, stream);
+  return e.empty() ? ffi::Error::Success() : internal("epilogue: " + e);
+}
+
+ffi::Error out_type_of(const ffi::AnyBuffer::Dimensions&, ffi::DataType t, int32_t* out) {
+  if (t == ffi::DataType::F32) *out = lt::kR32F;
+  else if (t == ffi::DataType::BF16) *out = lt::kR16BF;
+  else return invalid("output must be float32 or bfloat16");
+  return ffi::Error::Success();
+}
+
+// Shared checks of out / bias / c; fills the output side of `c`.
+ffi::Error check_out(int64_t m, int64_t n, const ffi::AnyBuffer& bias, const ffi::AnyBuffer& cin,
+                     ffi::Result<ffi::AnyBuffer>& out, int32_t accumulate, LtCall* c) {
+  if (!is_2d(*out, m, n)) return invalid("output is " + dims(*out) + ", expected [" + std::to_string(m) + ", " + std::to_string(n) + "]");
+  if (auto e = out_type_of(out->dimensions(), out->element_type(), &c->out_type); e.failure()) return e;
+  c->d = out->untyped_data();
+  c->bias = nullptr;
+  if (bias.element_count() > 0) {
+    if (int64_t(bias.element_count()) != n || bias.element_type() != out->element_type())
+      return invalid("bias must have N = " + std::to_string(n) + " elements of the output dtype, got " + dims(bias));
+    c->bias = bias.untyped_data();
+  }
+  c->accumulate = accumulate != 0;
+  if (c->accumulate) {
+    if (!is_2d(cin, m, n) || cin.element_type() != out->element_type())
+      return invalid("accumulate needs c of the output's shape and dtype, got " + dims(cin));
+    if (cin.untyped_data() != out->untyped_data())
+      return invalid("accumulate needs c aliased to the output (input_output_aliases)");
+  }
+  return ffi::Error::Success();
+}
+
+int32_t fp8_type(ffi::DataType t) {
+  if (t == ffi::DataType::F8E4M3FN) return lt::kR8F_E4M3;
+  if (t == ffi::DataType::F8E5M2) return lt::kR8F_E5M2;
+  return -1;
+}
+
+
+// Scale tensor of one FP8 operand ([rows, K]) in the layout cuBLASLt reads; `layout` picks the candidate
+// layout (0: the one cuBLASLt documents; others exist for probing), `pad` the leading-dimension multiple.
+// `src` points at fp32 scales: a scalar (kTensor), [rows, ceil(K/128)] (kVec128) or [ceil(rows/128), ...].
+ffi::Error scale_ptr(cudaStream_t stream, Scratch& scratch, const float* src, int32_t mode, int64_t rows, int64_t k,
+                     int32_t layout, int32_t pad, const void** ptr, int32_t* lt_mode, int64_t layout_rows) {
+  if (mode == kTensor) {
+    if (reinterpret_cast<uintptr_t>(src) % 16) {  // e.g. one scalar of a stacked [G]: give cuBLASLt an aligned copy
+      float* copy = static_cast<float*>(scratch.get(sizeof(float)));
+      if (!copy || cudaMemcpyAsync(copy, src, sizeof(float), cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
+        return internal("copying a scale failed");
+      src = copy;
+    }
+    *ptr = src;
+    *lt_mode = lt::kScaleScalar;
+    return ffi::Error::Success();
+  }
+  const int64_t kb = cdiv(k, 128);
+  const int64_t sr = mode == kVec128 ? rows : cdiv(rows, 128);
+  const int64_t lr = std::max(sr, mode == kVec128 ? layout_rows : cdiv(layout_rows, 128));  // rows of the layout
+  if (pad < 1) pad = 1;
+  int64_t rs, cs, total;
+  bool transpose = (mode == kVec128) ? (layout == 0) : (layout != 0);
+  if (transpose) {  // [kb, rup(lr)], rows contiguous
+    int64_t ld = rup(lr, pad);
+    rs = 1, cs = ld, total = ld * kb;
+  } else {  // [lr, rup(kb)], kb contiguous
+    int64_t ld = rup(kb, pad);
+    rs = ld, cs = 1, total = ld * lr;
+  }
+  float* out = static_cast<float*>(scratch.get(size_t(total) * sizeof(float)));
+  if (!out) return internal("scratch allocation of a scale re-layout failed");
+  std::string e = gemm::relayout_scales(src, sr, kb, out, rs, cs, total, stream);
+  if (!e.empty()) return internal("scale re-layout: " + e);
+  *ptr = out;
+  *lt_mode = mode == kVec128 ? lt::kScaleVec128 : lt::kScaleBlk128;
+  return ffi::Error::Success();
+}
+
+// Number of fp32 scales of one [rows, K] operand in `mode`.
+int64_t scale_count(int32_t mode, int64_t rows, int64_t k) {
+  if (mode == kTensor) return 1;
+  return (mode == kVec128 ? rows : cdiv(rows, 128)) * cdiv(k, 128);
+}
+
+ffi::Error prepare_scale(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuffer& s, int32_t mode, int64_t rows,
+                         int64_t k, int32_t layout, int32_t pad, const char* which, const void** ptr, int32_t* lt_mode) {
+  if (s.element_type() != ffi::DataType::F32) return invalid(std::string(which) + " scale_inv must be float32");
+  if (int64_t(s.element_count()) != scale_count(mode, rows, k))
+    return invalid(std::string(which) + " scale_inv is " + dims(s) + ", expected " + std::to_string(scale_count(mode, rows, k)) +
+                   " float32 values (scale mode " + std::to_string(mode) + ")");
+  return scale_ptr(stream, scratch, static_cast<const float*>(s.untyped_data()), mode, rows, k, layout, pad, ptr, lt_mode, 0);
+}
+
+ffi::Error gemm_fp8(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi::AnyBuffer a, ffi::AnyBuffer sa,
+                    ffi::AnyBuffer b, ffi::AnyBuffer sb, ffi::AnyBuffer bias, ffi::AnyBuffer cin,
+                    ffi::Result<ffi::AnyBuffer> out, int32_t mode_a, int32_t mode_b, int32_t layout, int32_t pad,
+                    int32_t accumulate, int32_t fast_accum) {
+  Scratch scratch{alloc};
+  auto da = a.dimensions(), db = b.dimensions();
+  if (da.size() != 2 || db.size() != 2 || da[1] != db[1])
+    return invalid("A and B must be [M, K] and [N, K], got " + dims(a) + " and " + dims(b));
+  LtCall c{};
+  c.m = da[0], c.n = db[0], c.k = da[1];
+  c.type_a = fp8_type(a.element_type()), c.type_b = fp8_type(b.element_type());
+  if (c.type_a < 0 || c.type_b < 0) return invalid("FP8 GEMM operands must be float8_e4m3fn or float8_e5m2");
+  if (c.type_a == lt::kR8F_E5M2 && c.type_b == lt::kR8F_E5M2) return invalid("E5M2 x E5M2 is not supported by FP8 GEMMs");
+  if (c.k % 16) return invalid("FP8 GEMM needs K % 16 == 0, got K = " + std::to_string(c.k));
+  if (mode_a < 0 || mode_a > 2 || mode_b < 0 || mode_b > 2) return invalid("unknown scale mode");
+  if ((mode_a == kTensor) != (mode_b == kTensor)) return invalid("per-tensor and block scales cannot be mixed");
+  if (mode_a == kBlk128 && mode_b == kBlk128) return invalid("128x128 x 128x128 block scales are not supported");
+  if (auto e = check_out(c.m, c.n, bias, cin, out, accumulate, &c); e.failure()) return e;
+  if (c.m == 0 || c.n == 0) return ffi::Error::Success();
+  c.a = a.untyped_data(), c.b = b.untyped_data();
+  c.fast_accum = fast_accum != 0;
+  if (auto e = prepare_scale(stream, scratch, sa, mode_a, c.m, c.k, layout, pad, "A", &c.scale_a, &c.mode_a); e.failure()) return e;
+  if (auto e = prepare_scale(stream, scratch, sb, mode_b, c.n, c.k, layout, pad, "B", &c.scale_b, &c.mode_b); e.failure()) return e;
+  return run_with_retry(stream, scratch, c, size_t(c.k), ScaleSrc{static_cast<const float*>(sa.untyped_data()), mode_a, layout, pad});
+}
+
+// Dequantizes `rows` rows of an MXFP8/NVFP4 operand (data and scale bytes at the given pointers) to bf16.
+ffi::Error dequant_ptr(cudaStream_t stream, Scratch& scratch, const uint8_t* x, const uint8_t* s, int64_t rows,
+                       int32_t fmt, int64_t k, void** out) {
+  void* buf = scratch.get(size_t(rows) * k * 2);
+  if (!buf) return internal("scratch allocation of a dequantized operand failed");
+  std::string e;
+  if (fmt == kNvfp4) e = gemm::dequant_nvfp4(x, s, rows, k, buf, stream);
+  else e = gemm::dequant_mxfp8(x, s, rows, k, fmt == kMxE5M2, buf, stream);
+  if (!e.empty()) return internal("dequantize: " + e);
+  *out = buf;
+  return ffi::Error::Success();
+}
+
+// Checks the data/scale sizes of `groups` stacked [rows, K] operands of format `fmt`.
+ffi::Error check_dq(const ffi::AnyBuffer& x, const ffi::AnyBuffer& s, int64_t groups, int64_t rows, int32_t fmt,
+                    int64_t k, const char* which) {
+  int64_t data_cols, scale_cols;
+  if (fmt == kNvfp4) {
+    if (k % 16) return invalid("NVFP4 GEMM needs K % 16 == 0, got " + std::to_string(k));
+    data_cols = k / 2, scale_cols = k / 16;
+  } else if (fmt == kMxE4M3 || fmt == kMxE5M2) {
+    if (k % 8) return invalid("MXFP8 GEMM needs K % 8 == 0, got " + std::to_string(k));
+    data_cols = k, scale_cols = cdiv(k, 32);
+  } else {
+    return invalid("unknown block-scaled format id " + std::to_string(fmt));
+  }
+  if (int64_t(x.size_bytes()) != groups * rows * data_cols || int64_t(s.size_bytes()) != groups * rows * scale_cols)
+    return invalid(std::string(which) + " data/scales are " + dims(x) + "/" + dims(s) + " for " + std::to_string(groups) +
+                   " x [" + std::to_string(rows) + ", K = " + std::to_string(k) + "] (format " + std::to_string(fmt) + ")");
+  return ffi::Error::Success();
+}
+
+ffi::Error dequant(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuffer& x, const ffi::AnyBuffer& s,
+                   int32_t fmt, int64_t k, const char* which, void** out, int64_t* rows) {
+  auto d = x.dimensions();
+  if (d.size() != 2) return invalid(std::string(which) + " data must be 2D, got " + dims(x));
+  *rows = d[0];
+  if (auto e = check_dq(x, s, 1, d[0], fmt, k, which); e.failure()) return e;
+  return dequant_ptr(stream, scratch, static_cast<const uint8_t*>(x.untyped_data()),
+                     static_cast<const uint8_t*>(s.untyped_data()), d[0], fmt, k, out);
+}
+
+bool native_block_scaling() {  // Blackwell (sm_100+): block-scaled tensor cores behind cuBLASLt
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+    return false;
+  return major >= 10;
+}
+
+int32_t dq_lt_type(int32_t fmt) { return fmt == kNvfp4 ? lt::kR4F_E2M1 : fmt == kMxE5M2 ? lt::kR8F_E5M2 : lt::kR8F_E4M3; }
+
+// UNTESTED (no Blackwell GPU here): MXFP8 / NVFP4 straight into cuBLASLt's block-scaled matmul, the block
+// scales swizzled into its 128x4 tiles, the NVFP4 global scales as device alpha.
+ffi::Error gemm_native(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuffer& a, const ffi::AnyBuffer& sa,
+                       const ffi::AnyBuffer& amax_a, const ffi::AnyBuffer& b, const ffi::AnyBuffer& sb,
+                       const ffi::AnyBuffer& amax_b, LtCall c, int32_t fmt_a, int32_t fmt_b) {
+  const int64_t block = fmt_a == kNvfp4 ? 16 : 32;
+  const int64_t cols = cdiv(c.k, block);
+  if (c.k % (fmt_a == kNvfp4 ? 32 : 16)) return invalid("native block-scaled GEMM needs K % 32 (NVFP4) / 16 (MXFP8)");
+  uint8_t* ssa = static_cast<uint8_t*>(scratch.get(gemm::swizzled_bytes(c.m, cols)));
+  uint8_t* ssb = static_cast<uint8_t*>(scratch.get(gemm::swizzled_bytes(c.n, cols)));
+  if (!ssa || !ssb) return internal("scratch allocation of swizzled scales failed");
+  std::string e = gemm::swizzle_block_scales(static_cast<const uint8_t*>(sa.untyped_data()), c.m, cols, ssa, stream);
+  if (e.empty()) e = gemm::swizzle_block_scales(static_cast<const uint8_t*>(sb.untyped_data()), c.n, cols, ssb, stream);
+  if (!e.empty()) return internal("swizzle: " + e);
+  c.type_a = dq_lt_type(fmt_a), c.type_b = dq_lt_type(fmt_b);
+  c.a = a.untyped_data(), c.b = b.untyped_data();
+  c.scale_a = ssa, c.scale_b = ssb;
+  c.mode_a = c.mode_b = fmt_a == kNvfp4 ? lt::kScaleVec16UE4M3 : lt::kScaleVec32UE8M0;
+  if (fmt_a == kNvfp4) {
+    float* ab = static_cast<float*>(scratch.get(2 * sizeof(float)));
+    if (!ab) return internal("scratch allocation failed");
+    e = gemm::nvfp4_alpha(static_cast<const float*>(amax_a.untyped_data()), static_cast<const float*>(amax_b.untyped_data()),
+                          c.accumulate ? 1.f : 0.f, ab, stream);
+    if (!e.empty()) return internal("alpha: " + e);
+    c.alpha_beta = ab;
+  }
+  return run_with_retry(stream, scratch, c, size_t(fmt_a == kNvfp4 ? c.k / 2 : c.k), ScaleSrc{});
+}
+
+ffi::Error gemm_dq(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi::AnyBuffer a, ffi::AnyBuffer sa,
+                   ffi::AnyBuffer amax_a, ffi::AnyBuffer b, ffi::AnyBuffer sb, ffi::AnyBuffer amax_b,
+                   ffi::AnyBuffer bias, ffi::AnyBuffer cin, ffi::Result<ffi::AnyBuffer> out, int32_t fmt_a,
+                   int32_t fmt_b, int64_t k, int32_t accumulate) {
+  Scratch scratch{alloc};
+  if (native_block_scaling() && k % 32 == 0 && !(fmt_a == kMxE5M2 && fmt_b == kMxE5M2)) {
+    auto da = a.dimensions(), db = b.dimensions();
+    if (da.size() != 2 || db.size() != 2) return invalid("A and B data must be 2D");
+    LtCall c{};
+    c.m = da[0], c.n = db[0], c.k = k;
+    if (auto e = check_dq(a, sa, 1, c.m, fmt_a, k, "A"); e.failure()) return e;
+    if (auto e = check_dq(b, sb, 1, c.n, fmt_b, k, "B"); e.failure()) return e;
+    if (auto e = check_out(c.m, c.n, bias, cin, out, accumulate, &c); e.failure()) return e;
+    if (c.m == 0 || c.n == 0) return ffi::Error::Success();
+    return gemm_native(stream, scratch, a, sa, amax_a, b, sb, amax_b, c, fmt_a, fmt_b);
+  }
+  LtCall c{};
+  void *da = nullptr, *db = nullptr;
+  if ((fmt_a == kNvfp4) != (fmt_b == kNvfp4)) return invalid("NVFP4 pairs only with NVFP4");
+  if (auto e = dequant(stream, scratch, a, sa, fmt_a, k, "A", &da, &c.m); e.failure()) return e;
+  if (auto e = dequant(stream, scratch, b, sb, fmt_b, k, "B", &db, &c.n); e.failure()) return e;
+  c.k = k;
+  if (auto e = check_out(c.m, c.n, bias, cin, out, accumulate, &c); e.failure()) return e;
+  if (c.m == 0 || c.n == 0) return ffi::Error::Success();
+  c.type_a = c.type_b = lt::kR16BF;
+  c.a = da, c.b = db;
+  if (fmt_a == kNvfp4) {
+    for (const ffi::AnyBuffer* am : {&amax_a, &amax_b})
+      if (am->element_type() != ffi::DataType::F32 || am->element_count() != 1)
+        return invalid("NVFP4 amax must be a float32 scalar");
+    float* ab = static_cast<float*>(scratch.get(2 * sizeof(float)));
+    if (!ab) return internal("scratch allocation failed");
+    std::string e = gemm::nvfp4_alpha(static_cast<const float*>(amax_a.untyped_data()),
+                                      static_cast<const float*>(amax_b.untyped_data()), c.accumulate ? 1.f : 0.f, ab, stream);
+    if (!e.empty()) return internal("alpha: " + e);
+    c.alpha_beta = ab;
+  }
+  return run_with_retry(stream, scratch, c, size_t(c.k) * 2, ScaleSrc{});
+}
+
+
+// ---- Grouped (MoE): A [T, K] sorted by group, B stacked [G, N, K], group_sizes [G] (int32, on the device).
+// One FFI call: the sizes are copied to the host (one stream synchronisation), then one GEMM per non-empty
+// group on row range [start, start + size); rows past the sum are zero (unless accumulating).
+
+ffi::Error host_sizes(cudaStream_t stream, const ffi::AnyBuffer& gs, int64_t groups, int64_t t,
+                      std::vector<int64_t>* starts, std::vector<int64_t>* sizes) {
+  if (gs.element_type() != ffi::DataType::S32 || int64_t(gs.element_count()) != groups)
+    return invalid("group_sizes must be int32 [" + std::to_string(groups) + "], got " + dims(gs));
+  std::vector<int32_t> h(groups);
+  if (groups > 0) {
+    if (cudaMemcpyAsync(h.data(), gs.untyped_data(), groups * sizeof(int32_t), cudaMemcpyDeviceToHost, stream) !=
+            cudaSuccess ||
+        cudaStreamSynchronize(stream) != cudaSuccess)
+      return internal(std::string("reading group_sizes: ") + cudaGetErrorString(cudaGetLastError()));
+  }
+  int64_t at = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    int64_t n = h[g] < 0 ? 0 : std::min<int64_t>(h[g], t - at);  // clamp to the rows there are
+    starts->push_back(at);
+    sizes->push_back(n);
+    at += n;
+  }
+  return ffi::Error::Success();
+}
+
+// The groups' GEMMs once the operands are set up: `base` holds the shared fields; per_group fills the rest.
+template <typename F>
+ffi::Error run_groups(cudaStream_t stream, Scratch& scratch, LtCall base, const std::vector<int64_t>& starts,
+                      const std::vector<int64_t>& sizes, int64_t t, void* out, const void* bias, size_t out_bytes,
+                      size_t a_row_bytes, F per_group) {
+  int64_t used = 0;
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    if (sizes[g] == 0) continue;
+    LtCall c = base;
+    c.m = sizes[g];
+    c.d = static_cast<char*>(out) + size_t(starts[g]) * base.n * out_bytes;
+    c.bias = bias ? static_cast<const char*>(bias) + g * base.n * out_bytes : nullptr;
+    ScaleSrc sa;
+    if (auto e = per_group(g, starts[g], &c, &sa); e.failure()) return e;
+    if (auto e = run_with_retry(stream, scratch, c, a_row_bytes, sa); e.failure()) return e;
+    used = starts[g] + sizes[g];
+  }
+  if (!base.accumulate && used < t)
+    if (cudaMemsetAsync(static_cast<char*>(out) + size_t(used) * base.n * out_bytes, 0,
+                        size_t(t - used) * base.n * out_bytes, stream) != cudaSuccess)
+      return internal("zeroing rows past the groups failed");
+  return ffi::Error::Success();
+}
+
+ffi::Error check_grouped_out(int64_t t, int64_t g, int64_t n, const ffi::AnyBuffer& bias, const ffi::AnyBuffer& cin,
+                             ffi::Result<ffi::AnyBuffer>& out, int32_t accumulate, LtCall* c) {
+  if (!is_2d(*out, t, n)) return invalid("output is " + dims(*out) + ", expected [" + std::to_string(t) + ", " + std::to_string(n) + "]");
+  if (auto e = out_type_of(out->dimensions(), out->element_type(), &c->out_type); e.failure()) return e;
+  c->d = out->untyped_data();
+  c->accumulate = accumulate != 0;
+  if (c->accumulate && (!is_2d(cin, t, n) || cin.element_type() != out->element_type() ||
+                        cin.untyped_data() != out->untyped_data()))
+    return invalid("accumulate needs c [T, N] of the output dtype, aliased to the output; got " + dims(cin));
+  c->bias = nullptr;
+  if (bias.element_count() > 0) {
+    if (int64_t(bias.element_count()) != g * n || bias.element_type() != out->element_type())
+      return invalid("grouped bias must be [G, N] = [" + std::to_string(g) + ", " + std::to_string(n) + "] of the output dtype, got " + dims(bias));
+    c->bias = bias.untyped_data();
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error gemm_fp8_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi::AnyBuffer a, ffi::AnyBuffer sa,
+                            ffi::AnyBuffer b, ffi::AnyBuffer sb, ffi::AnyBuffer gs, ffi::AnyBuffer bias,
+                            ffi::AnyBuffer cin, ffi::Result<ffi::AnyBuffer> out, int32_t mode_a, int32_t mode_b,
+                            int32_t layout, int32_t pad, int32_t accumulate, int32_t fast_accum) {
+  Scratch scratch{alloc};
+  auto da = a.dimensions(), db = b.dimensions();
+  if (da.size() != 2 || db.size() != 3 || da[1] != db[2])
+    return invalid("grouped FP8: A must be [T, K] and B [G, N, K], got " + dims(a) + " and " + dims(b));
+  const int64_t t = da[0], k = da[1], groups = db[0], n = db[1];
+  LtCall c{};
+  c.n = n, c.k = k;
+  c.type_a = fp8_type(a.element_type()), c.type_b = fp8_type(b.element_type());
+  if (c.type_a < 0 || c.type_b < 0) return invalid("FP8 GEMM operands must be float8_e4m3fn or float8_e5m2");
+  if (c.type_a == lt::kR8F_E5M2 && c.type_b == lt::kR8F_E5M2) return invalid("E5M2 x E5M2 is not supported");
+  if (k % 16) return invalid("FP8 GEMM needs K % 16 == 0, got K = " + std::to_string(k));
+  if (mode_a == kBlk128) return invalid("grouped FP8: A (ragged rows) cannot have 128x128 scales");
+  if (mode_a < 0 || mode_b < 0 || mode_b > 2 || (mode_a == kTensor) != (mode_b == kTensor))
+    return invalid("grouped FP8: bad scale modes");
+  if (sa.element_type() != ffi::DataType::F32 || sb.element_type() != ffi::DataType::F32) return invalid("scale_inv must be float32");
+  if (int64_t(sa.element_count()) != scale_count(mode_a, t, k) || int64_t(sb.element_count()) != groups * scale_count(mode_b, n, k))
+    return invalid("grouped FP8: scale_inv sizes " + dims(sa) + " / " + dims(sb) + " do not match the operands");
+  if (auto e = check_grouped_out(t, groups, n, bias, cin, out, accumulate, &c); e.failure()) return e;
+  std::vector<int64_t> starts, sizes;
+  if (auto e = host_sizes(stream, gs, groups, t, &starts, &sizes); e.failure()) return e;
+  c.fast_accum = fast_accum != 0;
+  const size_t out_bytes = c.out_type == lt::kR32F ? 4 : 2;
+  const float* fa = static_cast<const float*>(sa.untyped_data());
+  const float* fb = static_cast<const float*>(sb.untyped_data());
+  const int64_t kb = cdiv(k, 128);
+  auto per_group = [&](size_t g, int64_t start, LtCall* cg, ScaleSrc* src) -> ffi::Error {
+    cg->a = static_cast<const uint8_t*>(a.untyped_data()) + size_t(start) * k;
+    cg->b = static_cast<const uint8_t*>(b.untyped_data()) + g * size_t(n) * k;
+    const float* sa_g = mode_a == kTensor ? fa : fa + start * kb;
+    *src = ScaleSrc{sa_g, mode_a, layout, pad};
+    if (auto e = scale_ptr(stream, scratch, sa_g, mode_a, cg->m, k, layout, pad, &cg->scale_a, &cg->mode_a, 0); e.failure()) return e;
+    return scale_ptr(stream, scratch, fb + g * scale_count(mode_b, n, k), mode_b, n, k, layout, pad, &cg->scale_b, &cg->mode_b, 0);
+  };
+  return run_groups(stream, scratch, c, starts, sizes, t, c.d, c.bias, out_bytes, size_t(k), per_group);
+}
+
+ffi::Error gemm_dq_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi::AnyBuffer a, ffi::AnyBuffer sa,
+                           ffi::AnyBuffer amax_a, ffi::AnyBuffer b, ffi::AnyBuffer sb, ffi::AnyBuffer amax_b,
+                           ffi::AnyBuffer gs, ffi::AnyBuffer bias, ffi::AnyBuffer cin, ffi::Result<ffi::AnyBuffer> out,
+                           int32_t fmt_a, int32_t fmt_b, int64_t k, int32_t accumulate) {
+  Scratch scratch{alloc};
+  auto da = a.dimensions(), db = b.dimensions();
+  if (da.size() != 2 || db.size() != 3) return invalid("grouped: A must be 2D and B 3D, got " + dims(a) + " and " + dims(b));
+  if ((fmt_a == kNvfp4) != (fmt_b == kNvfp4)) return invalid("NVFP4 pairs only with NVFP4");
+  const int64_t t = da[0], groups = db[0], n = db[1];
+  if (auto e = check_dq(a, sa, 1, t, fmt_a, k, "A"); e.failure()) return e;
+  if (auto e = check_dq(b, sb, groups, n, fmt_b, k, "B"); e.failure()) return e;
+  LtCall c{};
+  c.n = n, c.k = k;
+  if (auto e = check_grouped_out(t, groups, n, bias, cin, out, accumulate, &c); e.failure()) return e;
+  std::vector<int64_t> starts, sizes;
+  if (auto e = host_sizes(stream, gs, groups, t, &starts, &sizes); e.failure()) return e;
+  void *dqa = nullptr, *dqb = nullptr;
+  if (auto e = dequant_ptr(stream, scratch, static_cast<const uint8_t*>(a.untyped_data()),
+                           static_cast<const uint8_t*>(sa.untyped_data()), t, fmt_a, k, &dqa); e.failure()) return e;
+  if (auto e = dequant_ptr(stream, scratch, static_cast<const uint8_t*>(b.untyped_data()),
+                           static_cast<const uint8_t*>(sb.untyped_data()), groups * n, fmt_b, k, &dqb); e.failure()) return e;
+  c.type_a = c.type_b = lt::kR16BF;
+  float* ab = nullptr;
+  if (fmt_a == kNvfp4) {
+    if (amax_a.element_type() != ffi::DataType::F32 || amax_a.element_count() != 1 ||
+        amax_b.element_type() != ffi::DataType::F32 || int64_t(amax_b.element_count()) != groups)
+      return invalid("grouped NVFP4: amax must be float32, a scalar for A and [G] for B");
+    ab = static_cast<float*>(scratch.get(2 * sizeof(float) * std::max<int64_t>(groups, 1)));
+    if (!ab) return internal("scratch allocation failed");
+    for (int64_t g = 0; g < groups; ++g) {
+      std::string e = gemm::nvfp4_alpha(static_cast<const float*>(amax_a.untyped_data()),
+                                        static_cast<const float*>(amax_b.untyped_data()) + g, accumulate ? 1.f : 0.f,
+                                        ab + 2 * g, stream);
+      if (!e.empty()) return internal("alpha: " + e);
+    }
+  }
+  const size_t out_bytes = c.out_type == lt::kR32F ? 4 : 2;
+  auto per_group = [&](size_t g, int64_t start, LtCall* cg, ScaleSrc*) -> ffi::Error {
+    cg->a = static_cast<const char*>(dqa) + size_t(start) * k * 2;
+    cg->b = static_cast<const char*>(dqb) + g * size_t(n) * k * 2;
+    cg->alpha_beta = ab ? ab + 2 * g : nullptr;
+    return ffi::Error::Success();
+  };
+  return run_groups(stream, scratch, c, starts, sizes, t, c.d, c.bias, out_bytes, size_t(k) * 2, per_group);
+}
+}  // namespace
+}  // namespace jaxhq
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_fp8, jaxhq::gemm_fp8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()  // a
+                                  .Arg<ffi::AnyBuffer>()  // scale_inv a
+                                  .Arg<ffi::AnyBuffer>()  // b
+                                  .Arg<ffi::AnyBuffer>()  // scale_inv b
+                                  .Arg<ffi::AnyBuffer>()  // bias ([0] when none)
+                                  .Arg<ffi::AnyBuffer>()  // c (aliased to out when accumulating)
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("mode_a")
+                                  .Attr<int32_t>("mode_b")
+                                  .Attr<int32_t>("layout")
+                                  .Attr<int32_t>("pad")
+                                  .Attr<int32_t>("accumulate")
+                                  .Attr<int32_t>("fast_accum"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_dq, jaxhq::gemm_dq,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()  // a data
+                                  .Arg<ffi::AnyBuffer>()  // a scales (uint8 bytes)
+                                  .Arg<ffi::AnyBuffer>()  // a amax (NVFP4) or [0]
+                                  .Arg<ffi::AnyBuffer>()  // b data
+                                  .Arg<ffi::AnyBuffer>()  // b scales
+                                  .Arg<ffi::AnyBuffer>()  // b amax
+                                  .Arg<ffi::AnyBuffer>()  // bias
+                                  .Arg<ffi::AnyBuffer>()  // c
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("fmt_a")
+                                  .Attr<int32_t>("fmt_b")
+                                  .Attr<int64_t>("k")
+                                  .Attr<int32_t>("accumulate"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_fp8_grouped, jaxhq::gemm_fp8_grouped,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()  // a [T, K]
+                                  .Arg<ffi::AnyBuffer>()  // scale_inv a
+                                  .Arg<ffi::AnyBuffer>()  // b [G, N, K]
+                                  .Arg<ffi::AnyBuffer>()  // scale_inv b (stacked)
+                                  .Arg<ffi::AnyBuffer>()  // group_sizes [G] int32
+                                  .Arg<ffi::AnyBuffer>()  // bias [G, N] or [0]
+                                  .Arg<ffi::AnyBuffer>()  // c
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("mode_a")
+                                  .Attr<int32_t>("mode_b")
+                                  .Attr<int32_t>("layout")
+                                  .Attr<int32_t>("pad")
+                                  .Attr<int32_t>("accumulate")
+                                  .Attr<int32_t>("fast_accum"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_dq_grouped, jaxhq::gemm_dq_grouped,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()  // a data [T, ...]
+                                  .Arg<ffi::AnyBuffer>()  // a scales
+                                  .Arg<ffi::AnyBuffer>()  // a amax or [0]
+                                  .Arg<ffi::AnyBuffer>()  // b data [G, N, ...]
+                                  .Arg<ffi::AnyBuffer>()  // b scales
+                                  .Arg<ffi::AnyBuffer>()  // b amax [G] or [0]
+                                  .Arg<ffi::AnyBuffer>()  // group_sizes
+                                  .Arg<ffi::AnyBuffer>()  // bias [G, N] or [0]
+                                  .Arg<ffi::AnyBuffer>()  // c
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("fmt_a")
+                                  .Attr<int32_t>("fmt_b")
+                                  .Attr<int64_t>("k")
+                                  .Attr<int32_t>("accumulate"));
+
+namespace jaxhq {
+const GemmHandler* gemm_cuda_handlers() {
+  static const GemmHandler table[] = {
+      {"jaxhq_gemm_fp8", reinterpret_cast<void*>(jaxhq_cuda_gemm_fp8)},
+      {"jaxhq_gemm_dq", reinterpret_cast<void*>(jaxhq_cuda_gemm_dq)},
+      {"jaxhq_gemm_fp8_grouped", reinterpret_cast<void*>(jaxhq_cuda_gemm_fp8_grouped)},
+      {"jaxhq_gemm_dq_grouped", reinterpret_cast<void*>(jaxhq_cuda_gemm_dq_grouped)},
+      {nullptr, nullptr},
+  };
+  return table;
+}
+}  // namespace jaxhq

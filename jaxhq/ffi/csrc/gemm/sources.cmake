@@ -1,0 +1,10 @@
+# GEMM handlers (jaxhq/ffi/csrc/gemm), for the CUDA build of _jaxhq_ffi.
+# cuBLASLt is loaded at run time with dlopen (no cuBLAS headers or libraries are needed to build), so the
+# only extra link dependency is libdl. No CUTLASS: nothing here slows the build (~10 s on 2 cores).
+set(JAXHQ_GEMM_DIR "${CMAKE_CURRENT_LIST_DIR}")
+set(JAXHQ_GEMM_SOURCES
+    "${JAXHQ_GEMM_DIR}/gemm_handlers.cc"
+    "${JAXHQ_GEMM_DIR}/cublaslt.cc"
+    "${JAXHQ_GEMM_DIR}/gemm_kernels.cu")
+set(JAXHQ_GEMM_INCLUDES "${JAXHQ_GEMM_DIR}")
+set(JAXHQ_GEMM_LIBS ${CMAKE_DL_LIBS})

@@ -1,0 +1,42 @@
+// The nanobind module: hands Python one PyCapsule per FFI handler, by platform.
+#include <nanobind/nanobind.h>
+
+#include "handlers.h"
+#ifdef JAXHQ_WITH_CUDA
+#include "gemm/registry.h"
+#endif
+
+namespace nb = nanobind;
+
+namespace {
+template <typename F>
+nb::capsule capsule(F* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+}  // namespace
+
+NB_MODULE(_jaxhq_ffi, m) {
+  m.doc() = "jaxhq XLA FFI handlers (CPU always, CUDA when built with nvcc)";
+  m.def("registrations", []() {
+    nb::dict cpu, cuda, out;
+    cpu["jaxhq_amax"] = capsule(jaxhq_cpu_amax);
+    cpu["jaxhq_quantize"] = capsule(jaxhq_cpu_quantize);
+    cpu["jaxhq_quantize_into"] = capsule(jaxhq_cpu_quantize_into);
+    cpu["jaxhq_dequantize"] = capsule(jaxhq_cpu_dequantize);
+#ifdef JAXHQ_WITH_CUDA
+    cuda["jaxhq_amax"] = capsule(jaxhq_cuda_amax);
+    cuda["jaxhq_quantize"] = capsule(jaxhq_cuda_quantize);
+    cuda["jaxhq_quantize_into"] = capsule(jaxhq_cuda_quantize_into);
+    cuda["jaxhq_dequantize"] = capsule(jaxhq_cuda_dequantize);
+    for (const jaxhq::GemmHandler* h = jaxhq::gemm_cuda_handlers(); h->name; ++h) cuda[h->name] = capsule(h->fn);
+#endif
+    out["cpu"] = cpu;
+    out["cuda"] = cuda;
+    return out;
+  });
+#ifdef JAXHQ_WITH_CUDA
+  m.attr("cuda_built") = true;
+#else
+  m.attr("cuda_built") = false;
+#endif
+}

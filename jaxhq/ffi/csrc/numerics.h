@@ -1,0 +1,223 @@
+// Scalar numerics of every format, shared by the CPU handlers and the CUDA kernels.
+// Each function mirrors one line of jaxhq/formats (the reference); comments name it. Bit-exact by design:
+// no fast-math, explicit NaN propagation where jnp's min/max/clip propagate NaN.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define JHQ_HD __host__ __device__ __forceinline__
+#else
+#define JHQ_HD inline
+#endif
+
+namespace jaxhq {
+
+// Format ids, shared with jaxhq/ffi/primitives.py (FORMAT_IDS).
+enum Format : int32_t {
+  kNone = 0,        // this copy is not produced
+  kFp8Tensor = 1,   // FP8 per-tensor: scale given as an input scalar
+  kMxfp8 = 2,       // 1x32, E8M0 scale
+  kNvfp4 = 3,       // 1x16 (or 16x16), E4M3 scale, global encode scale given as an input scalar
+  kFp8Block1 = 4,   // 1x128, fp32 scale_inv
+  kFp8Block2 = 5,   // 128x128, fp32 scale_inv
+};
+// Option bits of a copy.
+enum Option : int32_t {
+  kE5M2 = 1,        // FP8 element format E5M2 (else E4M3)
+  kPow2 = 2,        // FP8 blockwise: power-of-2 scale
+  kBlock2D = 4,     // NVFP4: 16x16 tiles
+  kRHT = 8,         // NVFP4: random Hadamard transform along the copy's last axis
+  kStochastic = 16, // NVFP4: stochastic rounding
+};
+enum InDtype : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+JHQ_HD uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+JHQ_HD float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+JHQ_HD bool is_nan(float x) { return x != x; }
+JHQ_HD bool is_inf(float x) { return (f2u(x) & 0x7FFFFFFFu) == 0x7F800000u; }
+// jnp.maximum / jnp.minimum / jnp.clip: NaN in, NaN out.
+JHQ_HD float nmax(float a, float b) { return (is_nan(a) || is_nan(b)) ? (is_nan(a) ? a : b) : (a > b ? a : b); }
+JHQ_HD float nmin(float a, float b) { return (is_nan(a) || is_nan(b)) ? (is_nan(a) ? a : b) : (a < b ? a : b); }
+JHQ_HD float nclip(float x, float lo, float hi) { return nmin(nmax(x, lo), hi); }
+JHQ_HD float abs_f(float x) { return u2f(f2u(x) & 0x7FFFFFFFu); }
+// abs_max of a block: NaN when any element is NaN (formats.base.abs_max).
+JHQ_HD float amax_acc(float acc, float x) { return nmax(acc, abs_f(x)); }
+
+// A division that the reference writes as `a / b` on a runtime value: IEEE on the CPU (XLA's CPU backend
+// divides exactly) and `div.full.f32` on the GPU, which is how XLA's GPU backend lowers every f32 division
+// (it passes -nvptx-prec-divf32=1 to LLVM). Kernels equal the reference compiled for their own platform.
+JHQ_HD float div_ref(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return a / b;
+#endif
+}
+
+JHQ_HD float bf16_bits_to_f32(uint16_t b) { return u2f(uint32_t(b) << 16); }
+JHQ_HD float f16_bits_to_f32(uint16_t h) {
+  uint32_t s = uint32_t(h & 0x8000u) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+  if (e == 0) {  // zero or subnormal: m * 2^-24, exact in float32
+    float v = float(m) * 5.9604644775390625e-08f;
+    return u2f(f2u(v) | s);
+  }
+  if (e == 31) return u2f(s | 0x7F800000u | (m << 13));
+  return u2f(s | ((e + 112) << 23) | (m << 13));
+}
+
+// Round a non-negative finite float to the nearest (ties to even) value of a small float format with
+// `mbits` mantissa bits and exponent bias `bias` (subnormals included, no overflow handling: callers clip).
+JHQ_HD float round_small(float a, int mbits, int bias) {
+  uint32_t b = f2u(a);
+  int e = int((b >> 23) & 0xFF) - 127;
+  if (e < 1 - bias) {  // subnormal range of the small format: a multiple of 2^(1-bias-mbits)
+    float q = ldexpf(1.0f, 1 - bias - mbits);
+    return rintf(a / q) * q;
+  }
+  int shift = 23 - mbits;
+  uint32_t r = b + ((1u << (shift - 1)) - 1u) + ((b >> shift) & 1u);
+  return u2f(r & ~((1u << shift) - 1u));
+}
+
+// Magnitude bits of a non-negative value already representable in the small format (after round_small).
+JHQ_HD uint32_t small_bits(float a, int mbits, int bias) {
+  if (a == 0.0f) return 0;
+  int e = int((f2u(a) >> 23) & 0xFF) - 127;
+  if (e < 1 - bias) return uint32_t(a / ldexpf(1.0f, 1 - bias - mbits));
+  return (uint32_t(e + bias) << mbits) | ((f2u(a) & 0x7FFFFFu) >> (23 - mbits));
+}
+
+// saturating_fp8: clip to +-max then cast round-to-nearest-even. NaN -> 0x7F | sign (E4M3) / 0x7F (E5M2).
+JHQ_HD uint8_t fp8_encode_sw(float x, bool e5m2) {
+  const float m = e5m2 ? 57344.0f : 448.0f;
+  if (is_nan(x)) return uint8_t((f2u(x) >> 24) & 0x80) | 0x7F;
+  float c = nclip(x, -m, m);
+  const int mb = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+  float r = round_small(abs_f(c), mb, bias);
+  uint32_t bits = small_bits(r, mb, bias) & 0x7F;
+  return uint8_t(bits | ((f2u(c) >> 24) & 0x80));
+}
+JHQ_HD float fp8_decode(uint8_t b, bool e5m2) {
+  uint32_t s = uint32_t(b & 0x80) << 24;
+  const int mb = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+  uint32_t e = (b & 0x7F) >> mb, m = b & ((1u << mb) - 1);
+  if (!e5m2 && (b & 0x7F) == 0x7F) return u2f(0x7FC00000u | s);
+  if (e5m2 && e == 31) return m ? u2f(0x7FC00000u | s) : u2f(0x7F800000u | s);
+  float v = (e == 0) ? float(m) * ldexpf(1.0f, 1 - bias - mb) : ldexpf(1.0f + float(m) / float(1 << mb), int(e) - bias);
+  return u2f(f2u(v) | s);
+}
+
+// x.astype(input dtype).astype(float32) for the MXFP8 scale computation (non-negative finite or NaN/Inf).
+JHQ_HD float round_to_dtype_sw(float a, int dtype) {
+  if (dtype == kF32 || is_nan(a) || is_inf(a)) return a;
+  if (dtype == kBF16) return u2f((f2u(a) + 0x7FFFu + ((f2u(a) >> 16) & 1u)) & 0xFFFF0000u);
+  if (a >= 65520.0f) return INFINITY;  // float16 overflow rounds to inf
+  return round_small(a, 10, 15);
+}
+
+// casts.e8m0_round_up: exponent byte of positive q, rounded up; non-finite -> 0xFF.
+JHQ_HD uint8_t e8m0_round_up(float q) {
+  uint32_t bits = f2u(q), exp = bits >> 23, mant = bits & 0x7FFFFF;
+  bool up = (mant > 0) && (exp != 0xFE) && !((exp == 0) && (mant <= 0x400000));
+  if (up) exp += 1;
+  if (is_nan(q) || is_inf(q)) exp = 0xFF;
+  return uint8_t(exp);
+}
+// casts.e8m0_reciprocal: 2^(127-e) for e <= 253; NaN for 0xFF.
+JHQ_HD float e8m0_reciprocal(uint8_t e) {
+  if (e == 0xFF) return NAN;
+  uint32_t c = e < 253 ? e : 253;
+  return u2f((254u - c) << 23);
+}
+JHQ_HD float e8m0_to_f32(uint8_t e) {
+  if (e == 0xFF) return NAN;
+  if (e == 0) return 5.877471754111438e-39f;  // 2^-127
+  return u2f(uint32_t(e) << 23);
+}
+// casts.pow2_floor
+JHQ_HD float pow2_floor(float x) { return u2f(f2u(x) & 0xFF800000u); }
+
+// fp8.scale_from_amax with eps = 0 (FP8 blockwise).
+JHQ_HD float block_scale(float amax, bool pow2) {
+  float a = nmax(amax, 0.0f);
+  float s = (a == 0.0f) ? 1.0f : div_ref(448.0f, a);
+  if (is_nan(amax)) s = NAN;
+  if (pow2 && !is_nan(s) && !is_inf(s) && s > 0.0f) s = pow2_floor(s);
+  return s;
+}
+
+// casts.e2m1_codes (magnitude thresholds, round to nearest even, saturating; NaN -> 0 | sign).
+JHQ_HD uint8_t e2m1_code(float y) {
+  float a = abs_f(y);
+  uint8_t mag = uint8_t((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
+                        (a > 5.0f));
+  return mag | ((f2u(y) >> 31) ? 8 : 0);
+}
+// Magnitude of E2M1 code c in 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6 (no table: registers only on the GPU).
+JHQ_HD float e2m1_grid(int c) { return c < 4 ? 0.5f * float(c) : (c < 6 ? float(c - 2) : 2.0f * float(c - 4)); }
+// Stochastic E2M1: up with probability (a - lo) / (hi - lo), u uniform in [0, 1).
+JHQ_HD uint8_t e2m1_code_sr(float y, float u) {
+  float a = nmin(abs_f(y), 6.0f);
+  int lo = 0;
+#pragma unroll
+  for (int i = 1; i < 8; ++i) lo += (a >= e2m1_grid(i));
+  int hi = lo < 7 ? lo + 1 : 7;
+  float glo = e2m1_grid(lo), ghi = e2m1_grid(hi);
+  float p = (ghi > glo) ? (a - glo) / (ghi - glo) : 0.0f;
+  uint8_t mag = uint8_t(u < p ? hi : lo);
+  return mag | ((f2u(y) >> 31) ? 8 : 0);
+}
+JHQ_HD float e2m1_value(uint8_t c) {
+  float x = e2m1_grid(c & 7);
+  return (c & 8) ? -x : x;
+}
+
+// NVFP4 per-block scales (nvfp4.quantize_2d): decode = e4m3(min(amax_b / 6 * genc, 448)) and the encode
+// multiplier 1 / (decode / genc), 0 when decode is 0, computed the way XLA compiles those lines under jit
+// (its algebraic simplifier turns a division by a broadcast scalar into a multiplication by the reciprocal
+// and folds the scalar factors): decode = e4m3(min(amax_b * (genc * (1/6)), 448)), enc = genc / decode.
+JHQ_HD float nvfp4_decode_value(float amax_b, float genc) {
+  float d = nmin(amax_b * (genc * (1.0f / 6.0f)), 448.0f);
+  return fp8_decode(fp8_encode_sw(d, false), false);
+}
+JHQ_HD float nvfp4_encode_mult(float dec, float genc) { return dec == 0.0f ? 0.0f : div_ref(genc, dec); }
+// MXFP8: q = amax / fmt_max, likewise computed as amax * (1 / fmt_max).
+JHQ_HD float mx_q(float amax, bool e5m2) { return amax * (e5m2 ? (1.0f / 57344.0f) : (1.0f / 448.0f)); }
+
+// Counter-based hash for stochastic rounding: uniform [0, 1) from (seed, stream, index).
+JHQ_HD uint32_t mix32(uint32_t x) {
+  x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
+  return x;
+}
+JHQ_HD float sr_uniform(uint32_t s0, uint32_t s1, uint32_t stream, uint64_t index) {
+  uint32_t h = mix32(s0 ^ mix32(uint32_t(index) + 0x9e3779b9u * stream));
+  h = mix32(h ^ s1 ^ mix32(uint32_t(index >> 32) + 0x85ebca6bu));
+  return float(h >> 8) * 5.9604644775390625e-08f;  // 2^-24
+}
+
+// 16-point random Hadamard transform (nvfp4.apply_rht): v -> H (signs * v) / 4, Sylvester H, in place.
+JHQ_HD void rht16(float* v) {
+  constexpr uint32_t kNeg = 0xC5B2u;  // bit i set: sign i is -1 (1,-1,1,1,-1,-1,1,-1,-1,1,-1,1,1,1,-1,-1)
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+    if ((kNeg >> i) & 1u) v[i] = -v[i];
+#pragma unroll
+  for (int h = 1; h < 16; h *= 2) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      if ((i & h) == 0) {
+        float a = v[i], b = v[i + h];
+        v[i] = a + b;
+        v[i + h] = a - b;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] *= 0.25f;
+}
+
+}  // namespace jaxhq

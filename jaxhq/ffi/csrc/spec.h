@@ -1,0 +1,56 @@
+// What one launch of the quantize kernel produces: up to two copies (rowwise, columnwise) of a [M, K] tensor.
+#pragma once
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define JHQ_SPEC_HD __host__ __device__
+#else
+#define JHQ_SPEC_HD
+#endif
+
+namespace jaxhq {
+
+struct CopySpec {
+  int32_t fmt = 0;       // Format
+  int32_t opts = 0;      // Option bits
+  void* data = nullptr;  // fp8 [R, C] or packed fp4 [R, ceil(C/2)]
+  void* scale = nullptr; // per-block scales (layout per format); unused for kFp8Tensor
+};
+
+struct QuantizeArgs {
+  const void* x = nullptr;       // [batch, M, K] in `dtype`
+  int32_t dtype = 0;             // InDtype
+  int64_t batch = 1, m = 0, k = 0;
+  const float* scales = nullptr; // [batch, 2]: per-tensor scale or NVFP4 global encode, rowwise then columnwise
+  const uint32_t* seed = nullptr;// [batch, kSeedWords], see below
+  CopySpec row, col;             // rowwise copy [M, K]; columnwise copy [K, M]
+};
+
+// Seed words per batch element: the stochastic-rounding key (2 words), this shard's offset in the global x
+// (row m0, column k0) and the global shape of x (M, K). A shard then draws the numbers of its global
+// positions, so a sharded call equals the unsharded one bit for bit. Unsharded: {key, 0, 0, m, k}.
+constexpr int kSeedWords = 6;
+struct SrIndex {
+  uint64_t roff, coff, cols;  // element (r, c) of a copy draws number (r + roff) * cols + (c + coff)
+};
+// side 0: the rowwise copy [M, K]; side 1: the columnwise copy [K, M]
+JHQ_SPEC_HD inline SrIndex sr_index(const uint32_t* seed, int side) {
+  return side == 0 ? SrIndex{seed[2], seed[3], seed[5]} : SrIndex{seed[3], seed[2], seed[4]};
+}
+
+// Bytes per batch element of each output, for a copy of shape [R, C].
+JHQ_SPEC_HD inline int64_t data_bytes(int32_t fmt, int64_t r, int64_t c) {
+  if (fmt == 0) return 0;
+  return fmt == 3 ? r * ((c + 1) / 2) : r * c;
+}
+JHQ_SPEC_HD inline int64_t scale_bytes(int32_t fmt, int64_t r, int64_t c) {
+  switch (fmt) {
+    case 2: return r * ((c + 31) / 32);
+    case 3: return r * ((c + 15) / 16);
+    case 4: return 4 * r * ((c + 127) / 128);
+    case 5: return 4 * ((r + 127) / 128) * ((c + 127) / 128);
+    default: return 0;
+  }
+}
+
+}  // namespace jaxhq

@@ -1,0 +1,154 @@
+"""From a quantizer to the FFI kernels: `quantize_copies` makes the requested copies of a 2D tensor in one
+kernel launch (plus an amax pass for per-tensor formats) and returns the same Storage pytrees as the
+reference `Quantizer.quantize_2d`, or None when this platform or format has no kernel (callers then run
+the reference). Sides the kernels do not cover (Identity) are made by the reference.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from ..formats import fp8 as _fp8
+from ..formats import nvfp4 as _nv
+from ..formats.base import COLUMNWISE, ROWWISE, USAGES, Storage
+from ..formats.fp8 import Float8CurrentScaling, Float8DelayedScaling
+from ..formats.fp8_block import Float8Block
+from ..formats.hybrid import Hybrid, side
+from ..formats.mxfp8 import MXFP8
+from ..formats.nvfp4 import NVFP4
+from . import load
+from . import partitioning as PT
+from . import primitives as P
+
+
+def format_id(q, axis: str) -> Optional[tuple]:
+    """(format id, option bits) of a plain quantizer for the `axis` copy, or None when no kernel covers it."""
+    e5 = P.OPT_E5M2 if getattr(q, "fmt", "e4m3") == "e5m2" else 0
+    if isinstance(q, (Float8CurrentScaling, Float8DelayedScaling)):
+        return P.FP8_TENSOR, e5
+    if isinstance(q, MXFP8):
+        return P.MXFP8, e5
+    if isinstance(q, NVFP4):
+        opts = ((P.OPT_BLOCK2D if q.block_2d else 0) | (P.OPT_RHT if q.uses_rht(axis) else 0)
+                | (P.OPT_SR if q.stochastic_rounding else 0))
+        return P.NVFP4, opts
+    if isinstance(q, Float8Block):
+        fid = P.FP8_BLOCK_1x128 if q.block == (1, 128) else P.FP8_BLOCK_128x128
+        return fid, (P.OPT_POW2 if q.power_2_scale else 0)
+    return None
+
+
+def _side_state(q, state, axis):
+    if isinstance(q, Hybrid):
+        return None if state is None else state.get(axis)
+    return state
+
+
+def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=None,
+                    platform: Optional[str] = None, poison: bool = False) -> Optional[dict]:
+    """{axis: Storage} for each axis in `usage` (rowwise [M, K], columnwise [K, M]) of x2d [M, K], bit-equal
+    to `side(quantizer, axis).quantize_2d`, or None when the kernels do not apply here.
+
+    quantizer: a plain quantizer or a Hybrid (normalized); key: jax.random key (stochastic rounding);
+    state: delayed-scaling state (per side for a Hybrid, as jaxhq.formats.init_state makes it);
+    amax: a precomputed per-tensor amax used by the per-tensor sides.
+    platform: "cpu" or "cuda" (default: where x2d lives); poison: tests only, see primitives.quantize.
+    """
+    if load() is None or x2d.ndim != 2:
+        return None
+    platform = platform or P.platform_of(x2d)
+    if not P.has_kernel(platform):
+        return None
+    m, k = x2d.shape
+    ids = {a: format_id(side(quantizer, a), a) for a in usage}
+    if all(v is None for v in ids.values()):
+        return None
+    for a in usage:
+        side(quantizer, a).check_shape(*((m, k) if a == ROWWISE else (k, m)), a)
+
+    # Per-tensor amaxes (FP8 per-tensor and NVFP4 sides need one; the RHT side needs the transformed one).
+    need_amax = any(v is not None and v[0] in (P.FP8_TENSOR, P.NVFP4) for v in ids.values())
+    need_rht = any(v is not None and v[0] == P.NVFP4 and v[1] & P.OPT_RHT for v in ids.values())
+    amax_plain = amax_rht = None
+    if need_amax:
+        if amax is not None:
+            amax_plain = amax_rht = jnp.asarray(amax, jnp.float32)
+        else:
+            amax_plain, amax_rht = PT.amax(x2d, rht=need_rht)
+
+    scales, amaxes, key_words = [], {}, jnp.zeros((2,), jnp.uint32)
+    for a in USAGES:
+        v = ids.get(a)
+        q = side(quantizer, a)
+        s = jnp.float32(1.0)
+        if v is not None and v[0] == P.FP8_TENSOR:
+            amaxes[a] = amax_plain
+            if isinstance(q, Float8DelayedScaling):
+                st = _side_state(quantizer, state, a)
+                if st is None:
+                    return None  # the reference raises the helpful error
+                s = st["scale"].astype(jnp.float32)
+            else:
+                s = _fp8.scale_from_amax(amax_plain, q.fmt, q.amax_epsilon, q.power_2_scale)
+        elif v is not None and v[0] == P.NVFP4:
+            am = amax_rht if v[1] & P.OPT_RHT else amax_plain
+            amaxes[a] = am
+            s = _nv.global_encode(am)
+            if v[1] & P.OPT_SR:
+                if key is None:
+                    return None  # the reference raises the helpful error
+                key_words = jax.random.bits(key, (2,), jnp.uint32)
+        scales.append(jnp.asarray(s, jnp.float32))
+    seed = P.seed_words(key_words, m, k)
+    no = (P.NONE, 0)
+    row, col = ids.get(ROWWISE) or no, ids.get(COLUMNWISE) or no
+    if poison:  # tests: the unpartitioned call that writes into poisoned buffers
+        rd, rs, cd, cs = P.quantize(x2d, jnp.stack(scales), seed, row, col, poison=True)
+    else:  # sharding-aware: each shard quantized where it lives
+        outs = iter(PT.quantize(x2d, jnp.stack(scales), seed, row, col))
+        rd = next(outs) if row[0] else None
+        rs = next(outs) if row[0] not in (P.NONE, P.FP8_TENSOR) else None
+        cd = next(outs) if col[0] else None
+        cs = next(outs) if col[0] not in (P.NONE, P.FP8_TENSOR) else None
+
+    out = {}
+    for a, data, sc, shape in ((ROWWISE, rd, rs, (m, k)), (COLUMNWISE, cd, cs, (k, m))):
+        if a not in usage:
+            continue
+        q = side(quantizer, a)
+        v = ids[a]
+        if v is None:  # e.g. Identity: the reference makes this side
+            arr = x2d if a == ROWWISE else x2d.T
+            sk = None if key is None else jax.random.fold_in(key, USAGES.index(a))
+            out[a] = q.quantize_2d(arr, a, key=sk, state=_side_state(quantizer, state, a), amax=amax)
+            continue
+        if v[0] == P.FP8_TENSOR:
+            idx = USAGES.index(a)
+            sc = (1.0 / scales[idx]).astype(jnp.float32)
+        out[a] = Storage(data=data, scale_inv=sc, amax=amaxes.get(a), quantizer=q, axis=a, shape=shape)
+    return out
+
+
+def dequantize_storage(s: Storage, platform: Optional[str] = None):
+    """float32 values of one copy through the dequantize kernel (RHT undone by the reference transform),
+    or None when there is no kernel for it here."""
+    if load() is None:
+        return None
+    platform = platform or P.platform_of(s.data)
+    v = format_id(s.quantizer, s.axis)
+    if v is None or not P.has_kernel(platform, "jaxhq_dequantize"):
+        return None
+    fid, opts = v
+    if fid == P.FP8_TENSOR:
+        scalar = s.scale_inv
+    elif fid == P.NVFP4:
+        scalar = _nv.global_encode(s.amax)
+    else:
+        scalar = jnp.float32(0)
+    block_scales = None if fid == P.FP8_TENSOR else s.scale_inv
+    y = P.dequantize(s.data, block_scales, scalar, fid, opts, s.shape)
+    if fid == P.NVFP4 and opts & P.OPT_RHT:
+        y = _nv.apply_rht(y, inverse=True)
+    return y

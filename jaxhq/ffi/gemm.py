@@ -1,0 +1,256 @@
+"""GPU GEMM kernels through XLA FFI: A @ B.T on the quantized storages exactly as the quantizers lay them out.
+
+`fp8_gemm` (per-tensor FP8, and FP8 blockwise 1x128 / 128x128) runs one cuBLASLt FP8 GEMM that reads the
+scales on the device; `blockscaled_gemm` (MXFP8, NVFP4) dequantizes both operands exactly to bf16 in XLA
+scratch memory and runs a cuBLASLt bf16 GEMM with the NVFP4 global scales as a device-side alpha. Each takes
+an optional bias [N] and an optional `accumulate` array [M, N] that the result is added into (aliased, for
+wgrad accumulation). `grouped_gemm` runs the ragged MoE version of either in one FFI call.
+`register_gpu_gemms()` puts them into the dense op's dispatch table for the pairs whose GPU test passes;
+unsupported shapes fall back to the XLA path that was registered before. See docs/gemm.md.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..formats import Storage
+
+FP8_TARGET, DQ_TARGET = "jaxhq_gemm_fp8", "jaxhq_gemm_dq"
+MODE_TENSOR, MODE_VEC128, MODE_BLK128 = 0, 1, 2
+FMT_MX_E4M3, FMT_MX_E5M2, FMT_NVFP4 = 1, 2, 3
+# cuBLASLt's block-scale layout: 1x128 scales M-major [K/128, roundup(M, 4)], 128x128 scales K-major
+# [N/128, roundup(K/128, 4)]. JAXHQ_GEMM_SCALE_LAYOUT="layout,pad" overrides (probing only).
+DEFAULT_LAYOUT = "0,4"
+
+
+def _layout() -> tuple:
+    return tuple(int(v) for v in os.environ.get("JAXHQ_GEMM_SCALE_LAYOUT", DEFAULT_LAYOUT).split(","))
+
+
+class GemmUnsupported(ValueError):
+    """The kernel does not take these operands (format pair, shape or alignment); callers fall back."""
+
+
+def _registered() -> bool:
+    """True when the extension was built with the GEMM targets and registered them for CUDA."""
+    from . import load, registered_targets
+    return load() is not None and FP8_TARGET in registered_targets().get("cuda", [])
+
+
+def available() -> bool:
+    """True when the GEMM kernels are built and a GPU backend is present."""
+    try:
+        has_gpu = any(d.platform == "gpu" for d in jax.devices("gpu"))
+    except RuntimeError:
+        return False
+    return has_gpu and _registered()
+
+
+def _empty(dtype):
+    return jnp.zeros((0,), dtype)
+
+
+def _out_tail(m: int, n: int, out_dtype, bias, accumulate, name: str):
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise GemmUnsupported(f"{name}: output dtype {out_dtype} (float32 or bfloat16 needed)")
+    if n % (4 if out_dtype == jnp.float32 else 8):
+        raise GemmUnsupported(f"{name}: N = {n} breaks the 16-byte alignment of the output rows")
+    b = _empty(out_dtype) if bias is None else jnp.asarray(bias, out_dtype).reshape(n)
+    if accumulate is None:
+        return out_dtype, b, _empty(out_dtype), {}
+    if accumulate.shape != (m, n):
+        raise GemmUnsupported(f"{name}: accumulate is {accumulate.shape}, expected {(m, n)}")
+    return out_dtype, b, accumulate.astype(out_dtype), {5: 0}
+
+
+def _fp8_mode(s: Storage, name: str) -> int:
+    q = s.quantizer
+    if q.name in ("fp8", "fp8_delayed"):
+        return MODE_TENSOR
+    if q.name == "fp8_block":
+        return MODE_VEC128 if tuple(q.block) == (1, 128) else MODE_BLK128
+    raise GemmUnsupported(f"{name}: {s.format} is not an FP8 per-tensor or blockwise storage")
+
+
+def fp8_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=None, accumulate=None,
+             fast_accum: bool = False):
+    """A @ B.T (+ bias) (+ accumulate) for FP8 per-tensor or blockwise storages (A [M, K], B [N, K]).
+
+    Per-tensor: E4M3xE4M3, E4M3xE5M2, E5M2xE4M3; blockwise: 1x128 x 128x128, 1x128 x 1x128, 128x128 x 1x128.
+    fast_accum uses Hopper's faster reduced-precision FP8 accumulation (off by default).
+    """
+    name = "fp8 GEMM"
+    ma, mb = _fp8_mode(a, name), _fp8_mode(b, name)
+    (m, k), (n, kb) = a.data.shape, b.data.shape
+    if k != kb:
+        raise GemmUnsupported(f"{name}: K differs: A {a.data.shape} ({a.format}), B {b.data.shape} ({b.format})")
+    if (ma == MODE_TENSOR) != (mb == MODE_TENSOR) or ma == mb == MODE_BLK128:
+        raise GemmUnsupported(f"{name}: no kernel for {a.format} x {b.format}")
+    if a.data.dtype == b.data.dtype == jnp.float8_e5m2:
+        raise GemmUnsupported(f"{name}: E5M2 x E5M2 has no FP8 GEMM")
+    if k % 16:
+        raise GemmUnsupported(f"{name}: K = {k} is not a multiple of 16")
+    out_dtype, bias_, c, aliases = _out_tail(m, n, out_dtype, bias, accumulate, name)
+    if not _registered():
+        raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
+    call = jax.ffi.ffi_call(FP8_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype), input_output_aliases=aliases,
+                            vmap_method="sequential")  # under vmap: one call per batch element
+    return call(a.data, jnp.asarray(a.scale_inv, jnp.float32), b.data, jnp.asarray(b.scale_inv, jnp.float32), bias_, c,
+                mode_a=np.int32(ma), mode_b=np.int32(mb), layout=np.int32(_layout()[0]), pad=np.int32(_layout()[1]),
+                accumulate=np.int32(accumulate is not None), fast_accum=np.int32(fast_accum))
+
+
+def _dq_fmt(s: Storage, name: str) -> int:
+    q = s.quantizer
+    if q.name == "mxfp8":
+        return FMT_MX_E5M2 if q.fmt == "e5m2" else FMT_MX_E4M3
+    if q.name == "nvfp4":
+        return FMT_NVFP4
+    raise GemmUnsupported(f"{name}: {s.format} is not an MXFP8 or NVFP4 storage")
+
+
+def _u8(x):
+    return x if x.dtype == jnp.uint8 else lax.bitcast_convert_type(x, jnp.uint8)
+
+
+def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=None, accumulate=None):
+    """A @ B.T (+ bias) (+ accumulate) for MXFP8 x MXFP8 (E4M3/E5M2) or NVFP4 x NVFP4 storages.
+
+    NVFP4 with the Hadamard transform on both operands contracts in the transformed domain (it cancels);
+    on exactly one operand it is unsupported.
+    """
+    name = "block-scaled GEMM"
+    fa, fb = _dq_fmt(a, name), _dq_fmt(b, name)
+    (m, k), (n, kb) = a.shape, b.shape
+    if k != kb:
+        raise GemmUnsupported(f"{name}: K differs: A {a.shape} ({a.format}), B {b.shape} ({b.format})")
+    if (fa == FMT_NVFP4) != (fb == FMT_NVFP4):
+        raise GemmUnsupported(f"{name}: no kernel for {a.format} x {b.format}")
+    if fa == FMT_NVFP4:
+        if a.quantizer.uses_rht(a.axis) != b.quantizer.uses_rht(b.axis):
+            raise GemmUnsupported(f"{name}: the Hadamard transform is on one operand only")
+        if k % 16:
+            raise GemmUnsupported(f"{name}: NVFP4 needs K % 16 == 0, got {k}")
+        amax_a, amax_b = jnp.asarray(a.amax, jnp.float32), jnp.asarray(b.amax, jnp.float32)
+    else:
+        if k % 8:
+            raise GemmUnsupported(f"{name}: MXFP8 needs K % 8 == 0, got {k}")
+        amax_a = amax_b = _empty(jnp.float32)
+    out_dtype, bias_, c, aliases = _out_tail(m, n, out_dtype, bias, accumulate, name)
+    if not _registered():
+        raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
+    aliases = {7: 0} if aliases else {}
+    call = jax.ffi.ffi_call(DQ_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype), input_output_aliases=aliases,
+                            vmap_method="sequential")
+    return call(_u8(a.data), _u8(a.scale_inv), amax_a, _u8(b.data), _u8(b.scale_inv), amax_b, bias_, c,
+                fmt_a=np.int32(fa), fmt_b=np.int32(fb), k=np.int64(k), accumulate=np.int32(accumulate is not None))
+
+
+
+def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=None, accumulate=None,
+                 fast_accum: bool = False):
+    """Ragged grouped GEMM for MoE in one FFI call: out[t] = A[t] @ bs[g(t)].T for A [T, K] sorted by group,
+    G weight storages [N, K] (one format), group_sizes [G] int32 (rows past their sum give 0, or keep
+    `accumulate`), bias [G, N]. The call reads group_sizes on the host (one stream synchronisation).
+    """
+    name = "grouped GEMM"
+    bs = list(bs)
+    if not bs:
+        raise GemmUnsupported(f"{name}: no groups")
+    fams = {s.quantizer.name for s in bs}
+    labels = {s.format for s in bs}
+    if len(labels) != 1 or len({s.data.shape for s in bs}) != 1:
+        raise GemmUnsupported(f"{name}: the groups' weights differ in format or shape ({sorted(labels)})")
+    b0 = bs[0]
+    g = len(bs)
+    sizes = jnp.asarray(group_sizes, jnp.int32).reshape(g)
+    t = a.data.shape[0]
+    if a.quantizer.name in ("fp8", "fp8_delayed", "fp8_block") and fams <= {"fp8", "fp8_delayed", "fp8_block"}:
+        ma, mb = _fp8_mode(a, name), _fp8_mode(b0, name)
+        (_, k), (n, kb) = a.data.shape, b0.data.shape
+        if k != kb or k % 16 or ma == MODE_BLK128 or (ma == MODE_TENSOR) != (mb == MODE_TENSOR):
+            raise GemmUnsupported(f"{name}: no kernel for {a.format} {a.data.shape} x {b0.format} {b0.data.shape}")
+        if a.data.dtype == b0.data.dtype == jnp.float8_e5m2:
+            raise GemmUnsupported(f"{name}: E5M2 x E5M2 has no FP8 GEMM")
+        out_dtype, bias_, c, aliases = _grouped_tail(t, g, n, out_dtype, bias, accumulate, name, 6)
+        if not _registered():
+            raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
+        call = jax.ffi.ffi_call(FP8_TARGET + "_grouped", jax.ShapeDtypeStruct((t, n), out_dtype),
+                                input_output_aliases=aliases, vmap_method="sequential")
+        bdata = jnp.stack([s.data for s in bs])
+        bscale = jnp.stack([jnp.asarray(s.scale_inv, jnp.float32) for s in bs])
+        return call(a.data, jnp.asarray(a.scale_inv, jnp.float32), bdata, bscale, sizes, bias_, c,
+                    mode_a=np.int32(ma), mode_b=np.int32(mb), layout=np.int32(_layout()[0]),
+                    pad=np.int32(_layout()[1]), accumulate=np.int32(accumulate is not None),
+                    fast_accum=np.int32(fast_accum))
+    fa, fb = _dq_fmt(a, name), _dq_fmt(b0, name)
+    (_, k), (n, kb) = a.shape, b0.shape
+    if k != kb or (fa == FMT_NVFP4) != (fb == FMT_NVFP4):
+        raise GemmUnsupported(f"{name}: no kernel for {a.format} {a.shape} x {b0.format} {b0.shape}")
+    if fa == FMT_NVFP4:
+        if any(a.quantizer.uses_rht(a.axis) != s.quantizer.uses_rht(s.axis) for s in bs) or k % 16:
+            raise GemmUnsupported(f"{name}: NVFP4 needs K % 16 == 0 and the same Hadamard use on both sides")
+        amax_a = jnp.asarray(a.amax, jnp.float32)
+        amax_b = jnp.stack([jnp.asarray(s.amax, jnp.float32).reshape(()) for s in bs])
+    else:
+        if k % 8:
+            raise GemmUnsupported(f"{name}: MXFP8 needs K % 8 == 0, got {k}")
+        amax_a = amax_b = _empty(jnp.float32)
+    out_dtype, bias_, c, aliases = _grouped_tail(t, g, n, out_dtype, bias, accumulate, name, 8)
+    if not _registered():
+        raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
+    call = jax.ffi.ffi_call(DQ_TARGET + "_grouped", jax.ShapeDtypeStruct((t, n), out_dtype),
+                            input_output_aliases=aliases,
+                            vmap_method="sequential")
+    bdata = jnp.stack([_u8(s.data) for s in bs])
+    bscale = jnp.stack([_u8(s.scale_inv) for s in bs])
+    return call(_u8(a.data), _u8(a.scale_inv), amax_a, bdata, bscale, amax_b, sizes, bias_, c,
+                fmt_a=np.int32(fa), fmt_b=np.int32(fb), k=np.int64(k), accumulate=np.int32(accumulate is not None))
+
+
+def _grouped_tail(t, g, n, out_dtype, bias, accumulate, name, c_index):
+    out_dtype, _, c, aliases = _out_tail(t, n, out_dtype, None, accumulate, name)
+    b = _empty(out_dtype) if bias is None else jnp.asarray(bias, out_dtype).reshape(g, n)
+    return out_dtype, b, c, ({c_index: 0} if aliases else {})
+
+def _with_fallback(kernel, fallback):
+    """A dispatch-table entry: the kernel where it applies, else the previously registered implementation."""
+    def fn(a: Storage, b: Storage, out_dtype):
+        try:
+            return kernel(a, b, out_dtype)
+        except GemmUnsupported:
+            return fallback(a, b, out_dtype)
+    fn.__name__ = f"gpu_{kernel.__name__}"
+    return fn
+
+
+# Pairs whose kernel passed tests/test_gemm_gpu.py on an H100 (see docs/gemm.md for the run).
+VERIFIED = {("fp8", "fp8"): fp8_gemm, ("fp8_block", "fp8_block"): fp8_gemm,
+            ("mxfp8", "mxfp8"): blockscaled_gemm, ("nvfp4", "nvfp4"): blockscaled_gemm}
+
+
+def register_gpu_gemms() -> list:
+    """Registers the verified kernels in jaxhq.ops.gemm's table for platform "gpu"; returns the pairs.
+
+    Does nothing (returns []) without a GPU or when the kernels are not built. Safe to call more than once.
+    """
+    import importlib
+    table = importlib.import_module("jaxhq.ops.gemm")  # the module (jaxhq.ops.gemm is also a function name)
+    if not available():
+        return []
+    done = []
+    for (fa, fb), kernel in VERIFIED.items():
+        prev = table.lookup(fa, fb, "gpu")
+        if getattr(prev, "_jaxhq_ffi_gemm", False):
+            done.append((fa, fb))
+            continue
+        fn = _with_fallback(kernel, prev or table.dequantized_dot)
+        fn._jaxhq_ffi_gemm = True
+        table.register(fa, fb, fn, platform="gpu")
+        done.append((fa, fb))
+    return done

@@ -1,0 +1,228 @@
+"""Sharding for the FFI calls: `custom_partitioning` with a Shardy `sharding_rule`, so that quantizing a
+sharded 2D tensor runs the kernel on each shard and keeps every output sharded like the input (rowwise
+copies like x, columnwise copies transposed) without gathering anything.
+
+Blocks never straddle shards: the rule ties each axis of x to the outputs through a compound factor whose
+inner size is the block granularity (e.g. K = (k 32) for MXFP8 rowwise); an axis that is one block or not a
+whole number of blocks is kept whole by the rule, and an axis whose shards would split blocks is gathered
+for the kernel (same results as unsharded; XLA moves the data). A per-tensor amax is reduced (max) over every
+mesh axis x is split on, so a sharded call gives the same numbers as an unsharded one.
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
+
+from . import primitives as P
+
+# Block extent of a copy's format along (its rows, its columns); NVFP4 2D tiles and 128x128 tiles span rows.
+def _extent(fmt: int, opts: int) -> tuple:
+    if fmt == P.MXFP8:
+        return 1, 32
+    if fmt == P.NVFP4:
+        return (16 if opts & P.OPT_BLOCK2D else 1), 16
+    if fmt == P.FP8_BLOCK_1x128:
+        return 1, 128
+    if fmt == P.FP8_BLOCK_128x128:
+        return 128, 128
+    if fmt == P.FP8_TENSOR:
+        return 1, 1
+    return 1, 1
+
+
+def granularity(row, col) -> tuple:
+    """(gm, gk): the multiples that a shard of x [M, K] must have along M and K for this pair of formats."""
+    (rf, ro), (cf, co) = row, col
+    rr, rc = _extent(rf, ro) if rf else (1, 1)
+    cr, cc = _extent(cf, co) if cf else (1, 1)
+    if cf == P.NVFP4 and co & P.OPT_RHT:
+        cc = 16
+    return math.lcm(rr, cc), math.lcm(rc, cr)
+
+
+def _out_dims(fmt: int, opts: int, rows_f: str, cols_f: str, rows_n: int, cols_n: int, g_rows: int, g_cols: int,
+              sizes: dict, tag: str) -> tuple:
+    """Dimension expressions of (data, scale) of one copy [rows_n, cols_n], given the factors of its axes."""
+    def expr(base, n, g, div, name):
+        # an axis of n elements whose x-axis factor is `base` (granularity g), divided by `div`
+        if base.startswith("_"):  # the x axis is not blockable: a fresh, unrelated factor
+            return base + name
+        inner = g // div
+        if inner == 1:
+            return base
+        sizes[base + name] = inner
+        return f"({base} {base}{name})"
+    br, bc = _extent(fmt, opts)
+    d_cols = expr(cols_f, cols_n, g_cols, 2 if fmt == P.NVFP4 else 1, tag + "d")
+    d_rows = expr(rows_f, rows_n, g_rows, 1, tag + "r")
+    data = f"{d_rows} {d_cols}"
+    if fmt == P.FP8_TENSOR:
+        return data, None
+    s_rows = expr(rows_f, rows_n, g_rows, 128 if fmt == P.FP8_BLOCK_128x128 else 1, tag + "s")
+    s_cols = expr(cols_f, cols_n, g_cols, bc, tag + "c")
+    return data, f"{s_rows} {s_cols}"
+
+
+def _rule(row, col, m: int, k: int):
+    gm, gk = granularity(row, col)
+    sizes, repl = {}, []
+    def axis(name, n, g):
+        if g > 1 and n % g == 0 and n > g:
+            sizes[name + "g"] = g
+            return name, f"({name} {name}g)"
+        if g > 1:  # one block, or not a whole number of blocks: keep this axis whole
+            repl.append(name)
+            return "_" + name, name
+        return name, name
+    mf, mx = axis("m", m, gm)
+    kf, kx = axis("k", k, gk)
+    outs = []
+    for (fmt, opts), rf, cf, rn, cn, g_r, g_c, tag in ((row, mf, kf, m, k, gm, gk, "a"),
+                                                       (col, kf, mf, k, m, gk, gm, "b")):
+        if fmt == P.NONE:
+            continue
+        d, s = _out_dims(fmt, opts, rf, cf, rn, cn, g_r, g_c, sizes, tag)
+        outs += [d] + ([s] if s is not None else [])
+    # fresh factors of unblockable axes: plain names
+    fix = lambda e: " ".join(t.lstrip("_") if t.startswith("_") else t for t in e.split(" "))  # noqa: E731
+    rule = f"{mx} {kx}, s, t -> " + ", ".join(fix(o) for o in outs)
+    # a factor used only inside compound factors needs its size spelled out
+    import re
+    bare = re.sub(r"\([^)]*\)", " ", rule).replace(",", " ").replace("->", " ").split()
+    for name, n, g in (("m", m, gm), ("k", k, gk)):
+        if f"{name}g" in sizes and name not in bare:
+            sizes[name] = n // g
+    return rule, sizes, tuple(repl)
+
+
+def _present(outs):
+    return tuple(o for o in outs if o is not None)
+
+
+def _local_quantize(row, col, x, scales, seed):
+    return _present(P.quantize(x, scales, seed, row, col))
+
+
+def _specs(row, col, m_axes, k_axes):
+    specs = []
+    for (fmt, _), a, b in ((row, m_axes, k_axes), (col, k_axes, m_axes)):
+        if fmt == P.NONE:
+            continue
+        specs.append(PS(a, b))
+        if fmt != P.FP8_TENSOR:
+            specs.append(PS(a, b))
+    return specs
+
+
+def _shard_index(mesh, axes):
+    """Linear index of this device's shard along a dimension split over `axes` (major to minor)."""
+    if axes is None:
+        return jnp.uint32(0)
+    idx = jnp.uint32(0)
+    for a in (axes if isinstance(axes, tuple) else (axes,)):
+        idx = idx * jnp.uint32(mesh.shape[a]) + jax.lax.axis_index(a).astype(jnp.uint32)
+    return idx
+
+
+def _mesh_size(mesh, axes):
+    if axes is None:
+        return 1
+    axes = axes if isinstance(axes, tuple) else (axes,)
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def quantize(x, scales, seed, row, col):
+    """P.quantize for a 2D x under jit with a mesh: each shard quantized in place; returns the present
+    outputs (row_data, row_scale?, col_data, col_scale?) in that order."""
+    m, k = x.shape
+    rule, sizes, repl = _rule(row, col, m, k)
+    gm, gk = granularity(row, col)
+
+    @partial(custom_partitioning)
+    def f(x, scales, seed):
+        return _local_quantize(row, col, x, scales, seed)
+
+    def axes_of(mesh, spec):
+        """The mesh axes x keeps along M and K: an axis whose shards would split blocks (or that is not a whole
+        number of blocks, so that its last block is padded) is gathered for the kernel instead."""
+        m_axes = spec[0] if len(spec) > 0 else None
+        k_axes = spec[1] if len(spec) > 1 else None
+        if m % gm or (m // _mesh_size(mesh, m_axes)) % gm:
+            m_axes = None
+        if k % gk or (k // _mesh_size(mesh, k_axes)) % gk:
+            k_axes = None
+        return m_axes, k_axes
+
+    def partition(mesh, arg_shapes, result_shape):
+        m_axes, k_axes = axes_of(mesh, arg_shapes[0].sharding.spec)
+        outs = tuple(NamedSharding(mesh, s) for s in _specs(row, col, m_axes, k_axes))
+        args = (NamedSharding(mesh, PS(m_axes, k_axes)), NamedSharding(mesh, PS()), NamedSharding(mesh, PS()))
+
+        def lower(x, scales, seed):  # this shard's offsets in x, so stochastic rounding draws global positions
+            lm, lk = x.shape
+            offsets = jnp.stack([_shard_index(mesh, m_axes) * lm, _shard_index(mesh, k_axes) * lk])
+            seed = seed.at[2:4].set(offsets.astype(jnp.uint32))
+            return _local_quantize(row, col, x, scales, seed)
+        return mesh, lower, outs, args
+
+    def infer(mesh, arg_shapes, result_shape):
+        m_axes, k_axes = axes_of(mesh, arg_shapes[0].sharding.spec)
+        return tuple(NamedSharding(mesh, s) for s in _specs(row, col, m_axes, k_axes))
+
+    f.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                    need_replication_factors=repl, **sizes)
+    plain = lambda x, scales, seed: tuple(o for o in P.quantize(x, scales, seed, row, col) if o is not None)
+    return _vmappable(f, plain)(x, scales, seed)
+
+
+def amax(x, rht: bool = False):
+    """P.amax for a 2D x under jit with a mesh: local amaxes, then a max over the mesh axes x is split on."""
+    m, k = x.shape
+
+    @custom_partitioning
+    def f(x):
+        return P.amax(x, rht)
+
+    def partition(mesh, arg_shapes, result_shape):
+        spec = arg_shapes[0].sharding.spec
+        axes = tuple(a for s in spec if s is not None for a in (s if isinstance(s, tuple) else (s,)))
+        m_axes = spec[0] if len(spec) > 0 else None
+        if rht and (m // _mesh_size(mesh, m_axes)) % 16:
+            raise ValueError(f"jaxhq amax: the RHT groups 16 rows; a shard of x [{m}, {k}] has "
+                             f"{m // _mesh_size(mesh, m_axes)} rows")
+
+        def lower(x):
+            a, r = P.amax(x, rht)
+            if axes:
+                a, r = jax.lax.pmax(a, axes), jax.lax.pmax(r, axes)
+            return a, r
+        rep = NamedSharding(mesh, PS())
+        return mesh, lower, (rep, rep), (NamedSharding(mesh, PS(*spec)),)
+
+    def infer(mesh, arg_shapes, result_shape):
+        rep = NamedSharding(mesh, PS())
+        return rep, rep
+
+    f.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule="m k -> , ",
+                    reduction_factors=("m", "k"))
+    return _vmappable(f, lambda x: P.amax(x, rht))(x)
+
+
+def _vmappable(partitioned, plain):
+    """`partitioned` (a custom_partitioning call, which has no batching rule) that hands over to `plain` (the
+    unpartitioned primitive, batched over leading axes in one launch) under vmap."""
+    fn = jax.custom_batching.custom_vmap(lambda *args: partitioned(*args))
+
+    @fn.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args = [a if b else jax.numpy.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(args, in_batched)]
+        out = plain(*args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return fn

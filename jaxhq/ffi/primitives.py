@@ -1,0 +1,127 @@
+"""The FFI calls as JAX functions: abstract shapes, batching (vmap over leading axes) and platform choice.
+
+Targets (one handler each on "cpu" and "CUDA"):
+  jaxhq_amax(x[..., M, K]) -> (amax[...], amax_rht[...])          per-tensor max |x| (and of RHT(x.T) when rht)
+  jaxhq_quantize(x[..., M, K], scales[..., 2], seed[..., 6])
+      -> (row_data, row_scale, col_data, col_scale)                any rowwise format with any columnwise
+                                                                    format, one read of x
+  jaxhq_dequantize(data, scale, scalar[...]) -> float32[..., R, C]
+Formats and option bits are the enums of csrc/numerics.h (FORMAT_IDS, OPT_* here).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import registered_targets
+
+NONE, FP8_TENSOR, MXFP8, NVFP4, FP8_BLOCK_1x128, FP8_BLOCK_128x128 = range(6)
+OPT_E5M2, OPT_POW2, OPT_BLOCK2D, OPT_RHT, OPT_SR = 1, 2, 4, 8, 16
+_EMPTY = jax.ShapeDtypeStruct((0,), jnp.uint8)
+
+
+def data_shape_dtype(fmt: int, opts: int, rows: int, cols: int, batch=()):
+    """Shape and dtype of a copy's data for format id `fmt`."""
+    if fmt == NONE:
+        return None
+    if fmt == NVFP4:
+        return jax.ShapeDtypeStruct((*batch, rows, (cols + 1) // 2), jnp.uint8)
+    dt = jnp.float8_e5m2 if opts & OPT_E5M2 else jnp.float8_e4m3fn
+    return jax.ShapeDtypeStruct((*batch, rows, cols), dt)
+
+
+def scale_shape_dtype(fmt: int, rows: int, cols: int, batch=()):
+    """Shape and dtype of a copy's per-block scales (None for per-tensor formats)."""
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    if fmt == MXFP8:
+        return jax.ShapeDtypeStruct((*batch, rows, cdiv(cols, 32)), jnp.float8_e8m0fnu)
+    if fmt == NVFP4:
+        return jax.ShapeDtypeStruct((*batch, rows, cdiv(cols, 16)), jnp.float8_e4m3fn)
+    if fmt == FP8_BLOCK_1x128:
+        return jax.ShapeDtypeStruct((*batch, rows, cdiv(cols, 128)), jnp.float32)
+    if fmt == FP8_BLOCK_128x128:
+        return jax.ShapeDtypeStruct((*batch, cdiv(rows, 128), cdiv(cols, 128)), jnp.float32)
+    return None
+
+
+def platform_of(x) -> str:
+    """"cpu" or "cuda": where an op on x would run (its committed device, else the default backend)."""
+    try:
+        devs = x.devices() if hasattr(x, "devices") and not isinstance(x, jax.core.Tracer) else None
+    except Exception:
+        devs = None
+    p = next(iter(devs)).platform if devs else jax.default_backend()
+    return "cuda" if p in ("gpu", "cuda") else p
+
+
+def has_kernel(platform: str, target: str = "jaxhq_quantize") -> bool:
+    return target in registered_targets().get(platform, [])
+
+
+def amax(x, rht: bool = False):
+    """(max |x|, max |RHT(x.T)|) as float32 scalars per leading batch index; the second is 0 without rht."""
+    registered_targets()
+    batch = x.shape[:-2]
+    out = jax.ShapeDtypeStruct(batch, jnp.float32)
+    call = jax.ffi.ffi_call("jaxhq_amax", (out, out), vmap_method="broadcast_all")
+    return call(x, rht=np.int32(bool(rht)))
+
+
+def poison_like(sds):
+    """An array of sds's shape and dtype with every byte 0xFF (NaN for floats): unwritten outputs show."""
+    dt = jnp.dtype(sds.dtype)
+    if dt.itemsize == 1:
+        raw = jnp.full(sds.shape, 0xFF, jnp.uint8)
+        return raw if dt == jnp.uint8 else jax.lax.bitcast_convert_type(raw, dt)
+    return jax.lax.bitcast_convert_type(jnp.full(sds.shape, 0xFFFFFFFF, jnp.uint32), dt)
+
+
+def seed_words(key_words, m: int, k: int, m0=0, k0=0):
+    """The quantize seed of an [m, k] tensor: key (2 uint32), offset (m0, k0) of this piece in it, its shape."""
+    u = lambda v: jnp.asarray(v, jnp.uint32).reshape(1)  # noqa: E731
+    return jnp.concatenate([jnp.asarray(key_words, jnp.uint32).reshape(2), u(m0), u(k0), u(m), u(k)])
+
+
+def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False):
+    """Both copies of x [..., M, K] in one read: (row_data, row_scale, col_data, col_scale).
+
+    scales [..., 2] float32: the per-tensor scale (FP8) or global encode scale (NVFP4) of each copy.
+    seed [..., 6] uint32: stochastic-rounding key (2 words), then this shard's offset in the global x (row,
+    column) and the global (M, K), see `seed_words`. Absent outputs are None.
+    poison: write into outputs first filled with 0xFF bytes (tests: proves every element is written).
+    """
+    registered_targets()
+    *batch, m, k = x.shape
+    batch = tuple(batch)
+    (rf, ro), (cf, co) = row, col
+    outs = (data_shape_dtype(rf, ro, m, k, batch), scale_shape_dtype(rf, m, k, batch),
+            data_shape_dtype(cf, co, k, m, batch), scale_shape_dtype(cf, k, m, batch))
+    outs = tuple(_EMPTY if o is None else o for o in outs)
+    attrs = dict(row_fmt=np.int32(rf), row_opts=np.int32(ro), col_fmt=np.int32(cf), col_opts=np.int32(co))
+    args = (x, scales.astype(jnp.float32), seed.astype(jnp.uint32))
+    if poison:
+        call = jax.ffi.ffi_call("jaxhq_quantize_into", outs, vmap_method="broadcast_all",
+                                input_output_aliases={3: 0, 4: 1, 5: 2, 6: 3})
+        res = call(*args, *(poison_like(o) for o in outs), **attrs)
+    else:
+        res = jax.ffi.ffi_call("jaxhq_quantize", outs, vmap_method="broadcast_all")(*args, **attrs)
+    return tuple(None if o is _EMPTY else r for o, r in zip(outs, res))
+
+
+def dequantize(data, scale, scalar, fmt: int, opts: int, shape):
+    """float32 [..., R, C] of one copy; `scalar` is scale_inv (FP8 per-tensor) or global encode (NVFP4)."""
+    registered_targets()
+    *batch, r, c = shape
+    if scale is None:
+        scale = jnp.zeros((0,), jnp.uint8)
+    out = jax.ShapeDtypeStruct((*batch, r, c), jnp.float32)
+    call = jax.ffi.ffi_call("jaxhq_dequantize", out, vmap_method="broadcast_all")
+    return call(data, scale, jnp.asarray(scalar, jnp.float32).reshape(tuple(batch)), fmt=np.int32(fmt),
+                opts=np.int32(opts))
+
+
+def nbytes(sds) -> int:
+    return 0 if sds is None else math.prod(sds.shape) * jnp.dtype(sds.dtype).itemsize

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# On a GPU machine: build the extension with CUDA, then run the GPU tests or the benchmarks; logs and JSON go
+# to OUTDIR. Usage: scripts/gpu_check.sh tests|bench [OUTDIR]   (JAXHQ_CUDA_ARCHS=90a by default; 100a: Blackwell)
+#   tests: the kernel tests (-m gpu) and the dense-op and layer tests on the GPU backend, side by side
+#   recheck: only the tests selected by RECHECK (a pytest -k expression over the FFI and dense-op tests)
+#   bench: (RECHECK first when set) benchmarks/train_step.py (every recipe against bf16), then the GEMM and quantize benchmarks
+set -uo pipefail
+MODE=${1:-tests}
+OUTDIR=${2:-${OUT:-/tmp/jaxhq_gpu}}
+mkdir -p "$OUTDIR"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+log() { echo "=== $* ($(date -u +%T))"; }
+
+log "machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+$PY -c "import jax, jaxlib, nanobind; print('jax', jax.__version__, 'nanobind', nanobind.__version__, jax.devices())"
+
+log "build (CUDA ${JAXHQ_CUDA_ARCHS:-90a})"
+rm -rf /tmp/jaxhq_site
+JAXHQ_CUDA=ON JAXHQ_CUDA_ARCHS=${JAXHQ_CUDA_ARCHS:-90a} CMAKE_BUILD_PARALLEL_LEVEL=16 \
+  $PY -m pip install --no-build-isolation --no-deps --no-index -v --target /tmp/jaxhq_site . \
+  >"$OUTDIR/build.log" 2>&1 || { tail -40 "$OUTDIR/build.log"; exit 1; }
+cp /tmp/jaxhq_site/jaxhq/ffi/_jaxhq_ffi*.so jaxhq/ffi/  # the built extension with this tree's Python sources
+$PY -c "import jaxhq.ffi as f; print('cuda_built', f.load().cuda_built, 'gpu kernels', f.available('gpu'))"
+
+summary() { grep -E "^(FAILED|ERROR)|passed|failed" "$1" | cut -c1-250 | tail -${2:-12}; }
+
+if [ "$MODE" = tests ]; then
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  T=${TEST_TIMEOUT:-330}
+  log "tests, in parallel (timeout ${T}s each)"
+  timeout $T $PY -m pytest -q -m gpu tests/test_ffi_gpu.py --tb=short -p no:cacheprovider >"$OUTDIR/ffi_gpu.log" 2>&1 &
+  timeout $T $PY -m pytest -q -m gpu tests/test_gemm_gpu.py --tb=short -p no:cacheprovider >"$OUTDIR/gemm_gpu.log" 2>&1 &
+  timeout $T $PY -m pytest -q tests/test_dense.py tests/test_layers.py --tb=short -p no:cacheprovider \
+    >"$OUTDIR/dense_layers_on_gpu.log" 2>&1 &
+  timeout $T $PY -m pytest -q tests/test_train_state.py tests/test_train_remat.py --tb=short -p no:cacheprovider \
+    >"$OUTDIR/train_on_gpu.log" 2>&1 &
+  wait
+  for f in ffi_gpu gemm_gpu dense_layers_on_gpu train_on_gpu; do log "$f"; summary "$OUTDIR/$f.log"; done
+  log "train_step smoke"
+  timeout 90 $PY benchmarks/train_step.py --preset quick --steps 3 --warmup 1 --no-split \
+    --recipes bf16,fp8_current,mxfp8,nvfp4 --out "$OUTDIR/train_step_smoke.json" 2>&1 | tail -8
+else
+  if [ -n "${RECHECK:-}" ]; then  # a quick look at selected tests before the benchmarks (pytest -k expression)
+    log "recheck: $RECHECK"
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${RECHECK_TIMEOUT:-150} $PY -m pytest -q tests/test_ffi_gpu.py tests/test_dense.py \
+      -k "$RECHECK" --tb=line -p no:cacheprovider >"$OUTDIR/recheck.log" 2>&1
+    summary "$OUTDIR/recheck.log" 20
+  fi
+  [ "$MODE" = recheck ] && { log "done"; exit 0; }
+  log "train_step"
+  timeout ${TRAIN_TIMEOUT:-420} $PY benchmarks/train_step.py --budget-s ${TRAIN_BUDGET:-300} --steps 10 \
+    --out "$OUTDIR/train_step.json" 2>&1 | tee "$OUTDIR/train_step.log" | tail -14
+  log "gemm"
+  timeout 90 $PY benchmarks/gemm.py --out "$OUTDIR/gemm.json" 2>&1 | tail -14
+fi
+log "done"

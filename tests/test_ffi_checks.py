@@ -1,0 +1,95 @@
+"""Shared checks for the FFI tests (CPU, GPU, sharding): kernel copies against the jnp reference, bit for bit.
+
+No tests here; a test_ name so that it sits with the FFI tests."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxhq.formats import (MXFP8, NVFP4, Float8Block, Float8CurrentScaling, Float8DelayedScaling, Hybrid,
+                           Identity, init_state)
+from jaxhq.formats.base import USAGES
+from jaxhq.formats.hybrid import side
+
+SINGLE = [Float8CurrentScaling(), Float8CurrentScaling("e5m2", power_2_scale=True), MXFP8(), MXFP8("e5m2"),
+          NVFP4(), NVFP4(block_2d=True), NVFP4(rht=True), Float8Block(), Float8Block((128, 128)),
+          Float8Block(power_2_scale=False)]
+HYBRID = [Hybrid(MXFP8(), Float8Block((128, 128))), Hybrid(Float8Block(), NVFP4(rht=True)),
+          Hybrid(NVFP4(block_2d=True), MXFP8("e5m2")), Hybrid(Float8CurrentScaling(), NVFP4()),
+          Hybrid(MXFP8(), Identity())]
+SHAPES = [(64, 96), (33, 50), (256, 160), (130, 272), (1, 7), (300, 17)]
+
+
+def random_input(key, shape, dtype):
+    """Normal values times a log-normal spread (many binades, so every scale path is exercised)."""
+    k1, k2 = jax.random.split(key)
+    x = jax.random.normal(k1, shape, jnp.float32) * jnp.exp(2.0 * jax.random.normal(k2, shape, jnp.float32))
+    return x.astype(dtype)
+
+
+def as_bytes(a) -> np.ndarray:
+    a = np.asarray(a)
+    return np.atleast_1d(a).view(np.uint8) if a.dtype.itemsize > 1 or a.dtype == np.uint8 else \
+        np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(a), jnp.uint8)).reshape(-1)
+
+
+def reference_copies(x2d, q, usage, *, key=None, state=None):
+    """The reference's copies, compiled as one jit (as the training step would run it)."""
+    return _reference_jit(x2d, q, tuple(usage), key, state)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _reference_jit(x2d, q, usage, key, state):
+    out = {}
+    for a in usage:
+        sq = side(q, a)
+        arr = x2d if a == "rowwise" else x2d.T
+        st = state.get(a) if isinstance(q, Hybrid) and state is not None else state
+        sk = None if key is None else jax.random.fold_in(key, USAGES.index(a))
+        out[a] = sq.quantize_2d(arr, a, key=sk, state=st)
+    return out
+
+
+def applicable(q, shape) -> bool:
+    m, k = shape
+    for a, (rows, cols) in (("rowwise", (m, k)), ("columnwise", (k, m))):
+        sq = side(q, a)
+        if isinstance(sq, NVFP4) and sq.uses_rht(a) and cols % 16:
+            return False
+    return True
+
+
+def compare(got: dict, ref: dict, label: str) -> list:
+    """Names of the fields that differ (by bytes), empty when bit-equal."""
+    bad = []
+    for a, r in ref.items():
+        g = got[a]
+        for f in ("data", "scale_inv", "amax"):
+            rv, gv = getattr(r, f), getattr(g, f)
+            if rv is None and gv is None:
+                continue
+            if rv is None or gv is None or np.shape(rv) != np.shape(gv) or jnp.dtype(rv.dtype) != jnp.dtype(gv.dtype):
+                bad.append(f"{label} {a}.{f}: shape/dtype {np.shape(gv)}/{getattr(gv, 'dtype', None)} vs "
+                           f"{np.shape(rv)}/{getattr(rv, 'dtype', None)}")
+                continue
+            gb, rb = as_bytes(gv), as_bytes(rv)
+            if not np.array_equal(gb, rb):
+                bad.append(f"{label} {a}.{f}: {int((gb != rb).sum())} of {gb.size} bytes differ")
+        if g.shape != r.shape or g.quantizer != r.quantizer:
+            bad.append(f"{label} {a}: metadata differs")
+    return bad
+
+
+def state_for(q):
+    st = init_state(q)
+    if st is None:
+        return None
+    # a non-trivial scale so the delayed path is exercised
+    f = lambda s: {**s, "scale": jnp.float32(3.0)}  # noqa: E731
+    return {k: f(v) for k, v in st.items()} if isinstance(q, Hybrid) else f(st)
+
+
+DELAYED = Float8DelayedScaling()

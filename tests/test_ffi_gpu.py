@@ -1,0 +1,116 @@
+"""CUDA FFI kernels: bit-equal to the jnp reference compiled for the GPU and to the CPU handlers, outputs
+poisoned first; stochastic rounding reproducible. Skipped without a GPU (run with `pytest -m gpu`)."""
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+
+def _gpus():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpus(), reason="no GPU")]
+
+from test_ffi_checks import (DELAYED, HYBRID, SHAPES, SINGLE, applicable, compare, random_input,  # noqa: E402
+                        reference_copies, state_for)
+
+_seed = itertools.count(5000)
+GPU_SHAPES = SHAPES + [(1024, 2048), (640, 4096 + 16), (2049, 384)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_kernels():
+    import jaxhq.ffi as jffi
+    if not jffi.available("gpu"):
+        pytest.fail("a GPU is present but the CUDA kernels are not registered (extension built without CUDA?)")
+
+
+def _cases():
+    for i, q in enumerate(SINGLE + HYBRID + [DELAYED]):
+        for j, shape in enumerate(GPU_SHAPES):
+            yield q, shape, (jnp.bfloat16, jnp.float32, jnp.float16)[(i + j) % 3]
+
+
+@pytest.mark.parametrize("q,shape,dtype", list(_cases()), ids=lambda v: str(getattr(v, "label", v)))
+def test_cuda_matches_reference(q, shape, dtype):
+    from jaxhq.ffi.dispatch import format_id, quantize_copies
+    from jaxhq.formats.hybrid import side
+    if not applicable(q, shape):
+        pytest.skip("RHT needs a multiple of 16")
+    gpu = _gpus()[0]
+    x = jax.device_put(random_input(jax.random.key(next(_seed)), shape, dtype), gpu)
+    st = state_for(q)
+    for usage in (("rowwise", "columnwise"), ("rowwise",), ("columnwise",)):
+        got = quantize_copies(x, q, usage, state=st, poison=True)
+        if got is None:
+            assert all(format_id(side(q, a), a) is None for a in usage)
+            continue
+        ref = reference_copies(x, q, usage, state=st)
+        assert compare(got, ref, f"{q.label} {shape} {jnp.dtype(dtype).name} {usage}") == []
+        # the CPU handler gives the same bits wherever the reference itself gives the same bits on both
+        # platforms (XLA's CPU and GPU backends may cast float32 to FP8 differently: docs/ffi.md)
+        cpu_dev = jax.devices("cpu")[0]
+        xc = jax.device_put(x, cpu_dev)
+        st_c = jax.device_put(st, cpu_dev)
+        cpu = quantize_copies(xc, q, usage, state=st_c, platform="cpu")
+        with jax.default_device(cpu_dev):
+            ref_c = reference_copies(xc, q, usage, state=st_c)
+        if compare(ref, ref_c, "") == []:
+            assert compare(got, cpu, "cpu vs gpu") == []
+
+
+@pytest.mark.parametrize("q", [SINGLE[4].__class__(stochastic_rounding=True),
+                               SINGLE[4].__class__(rht=True, block_2d=True, stochastic_rounding=True)],
+                         ids=lambda q: q.label)
+def test_cuda_stochastic_rounding(q):
+    from jaxhq.ffi.dispatch import quantize_copies
+    gpu = _gpus()[0]
+    x = jax.device_put(random_input(jax.random.key(8), (512, 768), jnp.bfloat16), gpu)
+    k = jax.random.key(1)
+    a = quantize_copies(x, q, key=k, poison=True)
+    b = quantize_copies(x, q, key=k)
+    xc = jax.device_put(x, jax.devices("cpu")[0])
+    c = quantize_copies(xc, q, key=jax.device_put(k, jax.devices("cpu")[0]), platform="cpu")
+    for ax in ("rowwise", "columnwise"):
+        np.testing.assert_array_equal(np.asarray(a[ax].data), np.asarray(b[ax].data))
+        np.testing.assert_array_equal(np.asarray(a[ax].data), np.asarray(c[ax].data))
+    # unbiased: the mean over draws approaches the input (see test_ffi_cpu for the bound)
+    n = 64
+    keys = jax.random.split(jax.random.key(2), n)
+    deq = jnp.mean(jnp.stack([quantize_copies(x, q, ("rowwise",), key=kk)["rowwise"].dequantize() for kk in keys]), 0)
+    rn = quantize_copies(x, q.__class__(block_2d=q.block_2d, rht=q.rht), ("rowwise",))["rowwise"]
+    err_sr = float(jnp.mean(deq - x.astype(jnp.float32)))
+    err_rn_one = float(jnp.mean(jnp.abs(rn.dequantize() - x.astype(jnp.float32))))
+    assert abs(err_sr) < 0.05 * err_rn_one
+
+
+def test_cuda_amax_dequantize_vmap():
+    from jaxhq.ffi import primitives as P
+    from jaxhq.ffi.dispatch import dequantize_storage, quantize_copies
+    from jaxhq.formats.nvfp4 import apply_rht
+    gpu = _gpus()[0]
+    xs = jax.device_put(random_input(jax.random.key(3), (3, 272, 400), jnp.bfloat16), gpu)
+    am, amr = jax.jit(jax.vmap(lambda x: P.amax(x, rht=True)))(xs)
+    np.testing.assert_array_equal(np.asarray(am), np.asarray(jnp.max(jnp.abs(xs.astype(jnp.float32)), axis=(1, 2))))
+    ref_r = jnp.stack([jnp.max(jnp.abs(apply_rht(x.T.astype(jnp.float32)))) for x in xs])
+    # the reference's RHT is the kernel's butterfly (same additions in the same order): equal bits
+    np.testing.assert_array_equal(np.asarray(amr), np.asarray(ref_r))
+    x = xs[0]
+    for q in SINGLE:
+        got = quantize_copies(x, q)
+        ref = reference_copies(x, q, ("rowwise", "columnwise"))
+        for a in ("rowwise", "columnwise"):
+            np.testing.assert_array_equal(np.asarray(dequantize_storage(got[a])), np.asarray(ref[a].dequantize()),
+                                          err_msg=f"{q.label} {a}")
+    nan_x = x.at[5, 7].set(jnp.nan)
+    for q in SINGLE:
+        got = quantize_copies(nan_x, q)
+        assert bool(jnp.isnan(got["rowwise"].dequantize()).any()), q.label
