@@ -7,7 +7,7 @@ temporaries + outputs - donated aliases); and where the time goes: the step's qu
 dense ops alone (forward + both backward GEMMs, quantization included), timed on the same shapes, so
 GEMMs ~ dense - quantize and the rest (attention, norms, optimizer) ~ step - dense.
 
-    python benchmarks/train_step.py                    # H100 preset: d 4096, FFN 14336 gated, 32 heads, seq 4096
+    python benchmarks/train_step.py                    # on a GPU, the H100 preset: d 4096, FFN 14336 gated, 32 heads, seq 4096
     python benchmarks/train_step.py --preset quick     # a smaller stack for a quick look
 """
 from __future__ import annotations
@@ -141,7 +141,7 @@ def run_recipe(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int,
 
 def main():
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--preset", default="h100", choices=sorted(PRESETS))
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: h100 on a GPU, else cpu")
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
@@ -150,7 +150,8 @@ def main():
     p.add_argument("--no-split", action="store_true", help="skip the quantize / dense time split")
     p.add_argument("--budget-s", type=float, default=None, help="start no new recipe after this many seconds")
     a = p.parse_args()
-    cfg, batch = PRESETS["quick" if a.quick else a.preset]
+    preset = "quick" if a.quick else a.preset or ("cpu" if jax.default_backend() == "cpu" else "h100")
+    cfg, batch = PRESETS[preset]
     cfg = cfg.replace(num_layers=a.layers or cfg.num_layers)
     batch = a.batch or batch
     print(f"model: {cfg.num_layers} layers, d {cfg.d_model}, FFN {cfg.d_ff} ({cfg.activation}), {cfg.num_heads} heads, "

@@ -149,9 +149,12 @@ def _plan(args) -> int:
 
 
 def benchmark_scripts(only=()) -> list:
-    """The runnable scripts in benchmarks/ (those with a __main__ block), filtered by name fragments."""
+    """The runnable scripts in benchmarks/ (those with a __main__ block), filtered by name fragments: those of
+    the checkout in the working directory, else of the source tree this package runs from."""
     import glob
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    here = os.path.join(os.getcwd(), "benchmarks")
+    root = here if os.path.isdir(here) else os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
     out = []
     for s in sorted(glob.glob(os.path.join(root, "*.py"))):
         with open(s) as f:
