@@ -12,34 +12,7 @@ import jaxhq
 from jaxhq import ops, recipes
 from jaxhq.formats import NVFP4, Float8CurrentScaling, Identity, QuantizationError, quantize
 from jaxhq.layers import Dense, DotProductAttention, MoE, TransformerLayer, merge_quant_state
-from jaxhq.layers import dense as layers_dense
-from jaxhq.layers import moe as layers_moe
-
-KEY = jax.random.key(42)
-
-
-@pytest.fixture
-def fixed_quant_key(monkeypatch):
-    """Layers draw stochastic-rounding keys from the "quant" stream; pin them so a hand-built op can match."""
-    monkeypatch.setattr(layers_dense, "quant_key", lambda m: KEY)
-    monkeypatch.setattr(layers_moe, "quant_key", lambda m: KEY)
-
-
-def rand(seed, shape, scale=1.0):
-    return scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
-
-
-def unbox(v):
-    return nn.meta.unbox(v)
-
-
-class Wrap(nn.Module):
-    """Gives a layer a path ("blk.<name>") so role names are checked as full paths."""
-    make: object
-
-    @nn.compact
-    def __call__(self, x):
-        return self.make()(x)
+from test_layers import KEY, Wrap, fixed_quant_key, rand, unbox  # noqa: F401  (shared helpers, fixture)
 
 
 def _compare_jit(layer, hand, p, x):

@@ -67,6 +67,9 @@ class Dense(nn.Module):
 
     @nn.compact
     def __call__(self, x):
+        return self._dense(x, "dense")
+
+    def _dense(self, x, module_type: str):
         kernel = self.param("kernel", nn.with_logical_partitioning(self.kernel_init, self.kernel_axes),
                             (x.shape[-1], self.features), self.param_dtype)
         bias = None
@@ -74,7 +77,7 @@ class Dense(nn.Module):
             bias = self.param("bias", nn.with_logical_partitioning(self.bias_init, self.kernel_axes[1:]),
                               (self.features,), self.param_dtype)
         x, kernel, bias = promote(self.dtype, x, kernel, bias)
-        return quantized_dense(self, x, kernel, bias, recipe=self.recipe, path=module_path(self, "dense"),
+        return quantized_dense(self, x, kernel, bias, recipe=self.recipe, path=module_path(self, module_type),
                                kernel_axes=self.kernel_axes, output_role=self.output_role,
                                grad_input_role=self.grad_input_role)
 
@@ -146,33 +149,13 @@ def general_dense(m, x, kernel, bias, axes, feats, *, recipe, dtype, path, kerne
     return y.reshape(*bshape, *feats)
 
 
-class LayerNormDense(nn.Module):
+class LayerNormDense(Dense):
     """A norm (LayerNorm or RMSNorm, Flax's own) fused in front of a Dense: `Dense(norm(x))`; the norm's
     parameters live under "norm", the kernel and bias at this module's level."""
 
-    features: int
-    recipe: CustomRecipe
     norm: str = "layernorm"
     epsilon: float = 1e-6
-    use_bias: bool = True
-    kernel_axes: Tuple[str, str] = ("embed", "mlp")
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    kernel_init: Any = default_kernel_init
-    bias_init: Any = nn.initializers.zeros
-    output_role: Optional[QuantizerRole] = None
-    grad_input_role: Optional[QuantizerRole] = None
 
     @nn.compact
     def __call__(self, x):
-        h = make_norm(self.norm, self.epsilon, self.dtype, self.param_dtype)(x)
-        kernel = self.param("kernel", nn.with_logical_partitioning(self.kernel_init, self.kernel_axes),
-                            (h.shape[-1], self.features), self.param_dtype)
-        bias = None
-        if self.use_bias:
-            bias = self.param("bias", nn.with_logical_partitioning(self.bias_init, self.kernel_axes[1:]),
-                              (self.features,), self.param_dtype)
-        h, kernel, bias = promote(self.dtype, h, kernel, bias)
-        return quantized_dense(self, h, kernel, bias, recipe=self.recipe, path=module_path(self, "layernorm_dense"),
-                               kernel_axes=self.kernel_axes, output_role=self.output_role,
-                               grad_input_role=self.grad_input_role)
+        return self._dense(make_norm(self.norm, self.epsilon, self.dtype, self.param_dtype)(x), "layernorm_dense")
