@@ -16,8 +16,6 @@ import jaxhq.ffi as jffi
 pytestmark = pytest.mark.skipif(not jffi.available("cpu"), reason="jaxhq FFI extension not built")
 
 SCRIPT = textwrap.dedent('''
-    import sys
-    sys.path.insert(0, "tests")
     import jax, jax.numpy as jnp, numpy as np
     from test_ffi_checks import HYBRID, SINGLE, applicable, compare, random_input
     from jaxhq.ffi.dispatch import quantize_copies
@@ -61,8 +59,10 @@ SCRIPT = textwrap.dedent('''
 
 def test_sharded_quantize_stays_sharded():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+    # the jaxhq this process imported (with its built extension: an installed package need not be the checkout)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(jffi.__file__)), here,
+                                                    env.get("PYTHONPATH")) if p)
+    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=here, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

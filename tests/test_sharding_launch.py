@@ -22,11 +22,13 @@ def test_sharding_suite_on_8_cpu_devices():
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
                                  "--xla_backend_optimization_level=0"]).strip()
     env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here.parent), env.get("PYTHONPATH")) if p)
+    import jaxhq  # the subprocess imports this same jaxhq (an installed package need not be the checkout)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(jaxhq.__file__)),
+                                                    env.get("PYTHONPATH")) if p)
     select = [] if env.get("JAXHQ_SHARDING_ALL") == "1" else ["-m", "not slow"]
     cmd = [sys.executable, "-m", "pytest", str(here / "test_sharding.py"), "-q", "-x", "-p", "no:cacheprovider",
            *select]
-    r = subprocess.run(cmd, cwd=here.parent, env=env, capture_output=True, text=True, timeout=1200)
+    r = subprocess.run(cmd, cwd=here, env=env, capture_output=True, text=True, timeout=1200)
     tail = (r.stdout + r.stderr)[-8000:]
     assert r.returncode == 0, f"8-device sharding tests failed ({' '.join(cmd)}):\n{tail}"
     assert " passed" in tail, tail
