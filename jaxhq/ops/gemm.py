@@ -9,7 +9,6 @@ caller allows the dequantized fallback.
 from __future__ import annotations
 
 import functools
-
 from typing import Callable, Optional
 
 import jax
