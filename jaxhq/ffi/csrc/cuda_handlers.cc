@@ -15,13 +15,10 @@ static ffi::Error status(const std::string& err, const char* what) {
 
 static ffi::Error cuda_amax(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> amax,
                             ffi::Result<ffi::Buffer<ffi::F32>> amax_rht, int32_t rht) {
-  int32_t dt;
-  int64_t b, m, k;
-  if (auto e = in_dtype(x.element_type(), &dt); e.failure()) return e;
-  if (auto e = split_dims(x, &b, &m, &k); e.failure()) return e;
-  if (rht && m % 16) return ffi::Error::InvalidArgument("jaxhq amax: RHT needs rows to be a multiple of 16");
-  return status(launch_amax(x.untyped_data(), dt, b, m, k, rht != 0, amax->typed_data(), amax_rht->typed_data(),
-                            stream),
+  AmaxArgs a;
+  if (auto e = make_amax_args(x, rht, &a); e.failure()) return e;
+  return status(launch_amax(x.untyped_data(), a.dtype, a.batch, a.m, a.k, rht != 0, amax->typed_data(),
+                            amax_rht->typed_data(), stream),
                 "amax");
 }
 

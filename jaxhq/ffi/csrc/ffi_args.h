@@ -38,6 +38,18 @@ inline ffi::Error check_bytes(const char* what, const ffi::AnyBuffer& b, int64_t
   return ffi::Error::Success();
 }
 
+// The amax handlers' input: x [batch, m, k] and its dtype; the RHT groups 16 rows.
+struct AmaxArgs {
+  int32_t dtype = 0;
+  int64_t batch = 1, m = 0, k = 0;
+};
+inline ffi::Error make_amax_args(const ffi::AnyBuffer& x, int32_t rht, AmaxArgs* a) {
+  if (auto e = in_dtype(x.element_type(), &a->dtype); e.failure()) return e;
+  if (auto e = split_dims(x, &a->batch, &a->m, &a->k); e.failure()) return e;
+  if (rht && a->m % 16) return ffi::Error::InvalidArgument("jaxhq amax: RHT needs rows to be a multiple of 16");
+  return ffi::Error::Success();
+}
+
 inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& scales,
                                      const ffi::Buffer<ffi::U32>& seed, ffi::Result<ffi::AnyBuffer>& rd,
                                      ffi::Result<ffi::AnyBuffer>& rs, ffi::Result<ffi::AnyBuffer>& cd,
