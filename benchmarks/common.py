@@ -54,3 +54,17 @@ def time_fn(fn, *args, warmup: int = 3, iters: int = 20) -> float:
         ts.append(time.perf_counter() - t0)
     ts.sort()
     return ts[len(ts) // 2]
+
+
+def time_back_to_back(fn, *args, iters: int = 10, reps: int = 5):
+    """(median seconds per call, per-rep seconds): `iters` asynchronous calls back to back per rep, synchronised
+    at the ends, so launch gaps are hidden as in a training step."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
+    return sorted(times)[len(times) // 2], times

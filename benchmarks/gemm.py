@@ -7,34 +7,18 @@ jax.nn.scaled_matmul (MXFP8, NVFP4), at 8192^3 and the LLM shapes M=16384, (K, N
 from __future__ import annotations
 
 import gc
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from common import parser, print_table, write_json
+from common import parser, print_table, time_back_to_back, write_json
 from jaxhq.formats import MXFP8, NVFP4, Float8Block, Float8CurrentScaling, quantize
 from jaxhq.ffi import gemm as G
 from jaxhq.ops.gemm import fp8_gpu_dot
 
 TN = (((1,), (1,)), ((), ()))
 SHAPES = [(8192, 8192, 8192), (16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096)]  # (M, K, N)
-
-
-def bench(fn, *args, iters: int = 10, reps: int = 5) -> float:
-    """Median over `reps` of the mean time of `iters` back-to-back asynchronous calls (seconds)."""
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / iters)
-    return float(np.median(ts))
 
 
 def variants(m, k, n, key):
@@ -92,7 +76,7 @@ def main():
         base = {}
         for name, (fn, a) in vs.items():
             try:
-                t = bench(fn, *a)
+                t = time_back_to_back(fn, *a)[0]
                 tf = 2.0 * m * n * k / t / 1e12
             except Exception as e:  # noqa: BLE001
                 print(f"{name} {m}x{k}x{n} failed: {repr(e)[:300]}")

@@ -8,15 +8,14 @@ two separate single-copy kernel passes. Prints a table; writes JSON (--out).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from common import time_back_to_back
 from jaxhq.ffi import available
 from jaxhq.ffi.dispatch import quantize_copies
 from jaxhq.formats import MXFP8, NVFP4, Float8Block, Float8CurrentScaling, Hybrid
@@ -24,18 +23,7 @@ from jaxhq.formats.base import USAGES
 from jaxhq.formats.hybrid import side
 
 
-def bench(f, *args, iters=20, reps=7):
-    """Median seconds per call: `iters` back-to-back async calls per rep, synchronized at the ends."""
-    out = f(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = f(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times), times
+bench = functools.partial(time_back_to_back, iters=20, reps=7)
 
 
 def nbytes(tree):
