@@ -205,6 +205,31 @@ def test_grouped_dense_equals_per_group_dense_with_mixed_quantizers():
         start += s
 
 
+@pytest.mark.parametrize("recipe_name", ["bf16", "fp8_delayed", "mxfp8", "nvfp4", "fp8_block", "hybrid:mxfp8:nvfp4"])
+def test_grouped_dense_with_shared_quantizers_runs_one_vmap_bit_equal_to_the_loop(recipe_name):
+    """Experts with the same quantizers run as one vmap over the stacked kernels (what expert parallelism
+    splits); kernels given as a list run the per-group loop. Outputs, gradients and the delayed-scaling
+    states' gradients (their next values) are the same bits; stochastic rounding keys are per group in both."""
+    rec = recipes.get(recipe_name)
+    sizes = jnp.asarray((40, 0, 56, 32))
+    qs = [rec.dense_quantizers(f"moe.experts_{g}.fc1", "grouped_linear") for g in range(4)]
+    states = None
+    if qs[0].input.stateful:
+        states = [{s: jax.tree.map(lambda a: a * (g + 2.0), init_state(getattr(q, s)))
+                   for s in ("input", "weight", "grad_output")} for g, q in enumerate(qs)]
+    x, ws, g = rand(30, (160, 64)), rand(31, (4, 64, 96)), rand(32, (160, 96))
+
+    def loss(x, ws, st, as_list):
+        kernels = [ws[i] for i in range(4)] if as_list else ws
+        y = jaxhq.grouped_dense(x, kernels, sizes, quantizers=qs, key=jax.random.key(7), states=st)
+        return jnp.sum(y * g)
+
+    grads = [jax.jit(jax.value_and_grad(lambda x, w, st: loss(x, w, st, as_list), (0, 1, 2)))(x, ws, states)
+             for as_list in (False, True)]
+    for a, b in zip(*(jax.tree.leaves(r) for r in grads)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # ---------------------------------------------------------------- errors
 
 def test_factory_returning_none_names_the_role():

@@ -13,12 +13,13 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import test_sharding_model as M
+import jaxhq
 from jaxhq import recipes
 from jaxhq.formats import (MXFP8, NVFP4, Float8Block, Float8CurrentScaling, Float8DelayedScaling, Hybrid, Identity,
                            init_state, quantize)
 from jaxhq.recipes import DenseQuantizers
 from jaxhq.roles import gemm_roles
-from jaxhq.sharding import (ShardingError, axis_rules, global_amax, make_mesh, mesh_axes,
+from jaxhq.sharding import (ShardingError, axis_rules, expert_sharding, global_amax, make_mesh, mesh_axes,
                             shard_state, state_shardings, weight_sharding)
 from jaxhq.sharding.hlo import collectives
 
@@ -333,11 +334,79 @@ def test_without_the_hook_xla_gathers_high_precision_weights():
     assert not _quantized_gathers(hlo)
 
 
+def _expert_kernel_moves(hlo):
+    """Collectives that move (not reduce) an array of an expert kernel's per-expert shape, whole or split on
+    fsdp: [1 or 2, D, F], [.., F, D], [.., D/2, F], [.., F, D/2]."""
+    shapes = {(M.D, M.F), (M.F, M.D), (M.D // 2, M.F), (M.F, M.D // 2)}
+    return [c for c in collectives(hlo, None) if c.kind in ("all-gather", "collective-permute", "all-to-all")
+            and len(c.shape) == 3 and c.shape[1:] in shapes]
+
+
 @pytest.mark.parametrize("recipe_name", [r if r == "mxfp8" else pytest.param(r, marks=pytest.mark.slow)
                                          for r in RECIPES])
 def test_expert_mesh_step_equals_unsharded(recipe_name):
-    """Expert mesh (2 expert, 2 fsdp, 2 dp): layer 1 is a 2-expert grouped dense with kernels split on expert."""
-    _check_step(recipe_name, make_mesh(data=2, fsdp=2, expert=2), experts=True)
+    """Expert mesh (2 expert, 2 fsdp, 2 dp): layer 1 is a 2-expert grouped dense with kernels split on expert.
+    Each expert rank computes its own expert: no expert kernel moves between devices except as the quantized
+    bytes of its FSDP gather (before expert parallelism they moved in f32)."""
+    hlo = _check_step(recipe_name, make_mesh(data=2, fsdp=2, expert=2), experts=True)
+    moves = _expert_kernel_moves(hlo)
+    assert moves and all(c.dtype == "u8" and c.shape[0] == 1 for c in moves), moves
+
+
+def test_expert_sharding_errors_name_the_layer():
+    mesh = make_mesh(data=2, fsdp=2, expert=2)
+    es = expert_sharding(("expert", "embed", "mlp"), "layers_1.moe.fc1", mesh=mesh)
+    assert es.axes == ("expert",) and es.tokens == ("data", "fsdp")
+    assert expert_sharding(("expert", "embed", "mlp"), mesh=make_mesh(data=8)) is None  # experts not split
+    qs = [recipes.mxfp8().dense_quantizers(f"layers_1.moe.experts_{g}.fc1", "grouped_linear") for g in range(3)]
+    x, ws = jnp.ones((64, M.D)), jnp.ones((3, M.D, M.F))
+    with pytest.raises(ShardingError, match=r"layers_1\.moe\.fc1.*3 experts.*\('expert',\).*multiple of 2"):
+        jaxhq.grouped_dense(x, ws, jnp.array([32, 32, 0]), quantizers=qs, expert_sharding=es)
+    mixed = qs[:1] + [recipes.nvfp4().dense_quantizers("layers_1.moe.experts_1.fc1", "grouped_linear")]
+    with pytest.raises(ValueError, match=r"weight@layers_1\.moe\.experts_0\.fc1.*same formats"):
+        jaxhq.grouped_dense(x, ws[:2], jnp.array([32, 32]), quantizers=mixed, expert_sharding=es)
+
+
+@pytest.mark.parametrize("recipe_name", ["mxfp8", pytest.param("fp8_delayed", marks=pytest.mark.slow)])
+def test_moe_layer_expert_parallel_equals_unsharded(recipe_name):
+    """The MoE layer (4 experts, top-2) under jax.set_mesh + rules on (2 data, 2 fsdp, 2 expert): its
+    GroupedDense layers pick up the expert sharding from the mesh; loss and gradients equal the unsharded
+    layer's up to fp32 summation order, and the expert kernels never move in high precision."""
+    from jaxhq.layers import MoE
+    mesh, rules = make_mesh(data=2, fsdp=2, expert=2), axis_rules()
+    recipe = recipes.get(recipe_name)
+    model = MoE(num_experts=4, top_k=2, d_ff=M.F, recipe=recipe, activation="gelu", name="moe")
+    x = jax.random.normal(jax.random.key(0), (M.B, M.L, M.D))
+    variables = model.init(jax.random.key(1), x)
+    boxed = variables["params"]
+    state = nn.unbox(variables.get("quant_state", {}))
+
+    def loss(p, qst, x):
+        out = model.apply({"params": p, "quant_state": qst}, x, rngs={"quant": jax.random.key(2)})
+        return jnp.mean(out.astype(jnp.float32) ** 2)
+
+    step = jax.jit(jax.value_and_grad(loss))
+    params = nn.unbox(boxed)
+    r_loss, r_grads = step(params, state, x)
+    e_loss, e_grads = jax.jit(jax.value_and_grad(lambda p, x: jnp.mean(MoE(
+        num_experts=4, top_k=2, d_ff=M.F, recipe=recipes.bf16(), activation="gelu", name="moe").apply(
+        {"params": p}, x).astype(jnp.float32) ** 2)))(params, x)
+    ps = state_shardings(boxed, mesh, rules)
+    xs = NamedSharding(mesh, mesh_axes(("batch", "length", "embed"), rules, mesh))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        placed = (jax.device_put(params, ps), state, jax.device_put(x, xs))
+        compiled = jax.jit(jax.value_and_grad(loss)).lower(*placed).compile()
+    got_loss, got_grads = compiled(*placed)
+    frac = M.noise_fraction(recipe_name)
+    _close(got_loss, r_loss, e_loss, "loss", frac)
+    for (path, g), r, e in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(r_grads),
+                               jax.tree.leaves(e_grads)):
+        _close(g, r, e, f"grad {jax.tree_util.keystr(path)}", frac)
+    moves = [c for c in collectives(compiled.as_text(), None)
+             if c.kind in ("all-gather", "collective-permute", "all-to-all") and len(c.shape) == 3
+             and c.shape[1:] in {(M.D, 2 * M.F), (2 * M.F, M.D), (M.F, M.D), (M.D, M.F), (M.D // 2, 2 * M.F),
+                                 (M.F, M.D // 2)}]
+    assert moves and all(c.dtype == "u8" and c.shape[0] == 2 for c in moves), moves
 
 
 @pytest.mark.parametrize("mesh_name, recipe_name", [

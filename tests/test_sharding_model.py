@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 
 import jaxhq
 from jaxhq import recipes
-from jaxhq.sharding import DEFAULT_RULES, constrain, mesh_axes, weight_sharding
+from jaxhq.sharding import DEFAULT_RULES, constrain, expert_sharding, mesh_axes, weight_sharding
 
 # Kernel dims are not powers of two and token counts are, so no activation has a (gathered) kernel's shape;
 # shards stay whole blocks: 384 / 4 fsdp = 96 and 640 / 4 tp = 160 are multiples of 32 (and of 16).
@@ -49,6 +49,10 @@ def _ws(names, name, mesh):
     return None if mesh is None else weight_sharding(names, name, mesh=mesh)
 
 
+def _es(names, name, mesh):
+    return None if mesh is None else expert_sharding(names, name, mesh=mesh)
+
+
 def _c(x, names, mesh):
     return x if mesh is None else constrain(x, names, mesh)
 
@@ -73,8 +77,10 @@ def loss_fn(params, batch, recipe, key, mesh=None, hook=True):
             sizes = jnp.array([t.shape[0] // 2, t.shape[0] - t.shape[0] // 2], jnp.int32)
             qs_up = [recipe.dense_quantizers(f"{name}.experts_{g}.up", "grouped_linear") for g in range(G)]
             qs_dn = [recipe.dense_quantizers(f"{name}.experts_{g}.down", "grouped_linear") for g in range(G)]
-            u = jax.nn.gelu(jaxhq.grouped_dense(t, p["eup"], sizes, quantizers=qs_up, key=k1))
-            d = jaxhq.grouped_dense(u, p["edown"], sizes, quantizers=qs_dn, key=k2).reshape(h.shape)
+            u = jax.nn.gelu(jaxhq.grouped_dense(t, p["eup"], sizes, quantizers=qs_up, key=k1,
+                                                expert_sharding=_es(AXES["eup"], f"{name}.eup", wmesh)))
+            d = jaxhq.grouped_dense(u, p["edown"], sizes, quantizers=qs_dn, key=k2,
+                                    expert_sharding=_es(AXES["edown"], f"{name}.edown", wmesh)).reshape(h.shape)
         h = h + _c(d, ("batch", "length", "embed"), mesh)
     return jnp.mean((h.astype(jnp.float32) - y) ** 2)
 

@@ -69,7 +69,7 @@ def _out_dims(fmt: int, opts: int, rows_f: str, cols_f: str, rows_n: int, cols_n
     return data, f"{s_rows} {s_cols}"
 
 
-def _rule(row, col, m: int, k: int):
+def _rule(row, col, m: int, k: int, nbatch: int = 0):
     gm, gk = granularity(row, col)
     sizes, repl = {}, []
     def axis(name, n, g):
@@ -82,6 +82,7 @@ def _rule(row, col, m: int, k: int):
         return name, name
     mf, mx = axis("m", m, gm)
     kf, kx = axis("k", k, gk)
+    lead = "".join(f"b{i} " for i in range(nbatch))  # leading (vmapped) batch dims, shardable
     outs = []
     for (fmt, opts), rf, cf, rn, cn, g_r, g_c, tag in ((row, mf, kf, m, k, gm, gk, "a"),
                                                        (col, kf, mf, k, m, gk, gm, "b")):
@@ -91,7 +92,7 @@ def _rule(row, col, m: int, k: int):
         outs += [d] + ([s] if s is not None else [])
     # fresh factors of unblockable axes: plain names
     fix = lambda e: " ".join(t.lstrip("_") if t.startswith("_") else t for t in e.split(" "))  # noqa: E731
-    rule = f"{mx} {kx}, s, t -> " + ", ".join(fix(o) for o in outs)
+    rule = f"{lead}{mx} {kx}, {lead}s, {lead}t -> " + ", ".join(lead + fix(o) for o in outs)
     # a factor used only inside compound factors needs its size spelled out
     import re
     bare = re.sub(r"\([^)]*\)", " ", rule).replace(",", " ").replace("->", " ").split()
@@ -109,14 +110,14 @@ def _local_quantize(row, col, x, scales, seed):
     return _present(P.quantize(x, scales, seed, row, col))
 
 
-def _specs(row, col, m_axes, k_axes):
+def _specs(row, col, m_axes, k_axes, lead=()):
     specs = []
     for (fmt, _), a, b in ((row, m_axes, k_axes), (col, k_axes, m_axes)):
         if fmt == P.NONE:
             continue
-        specs.append(PS(a, b))
+        specs.append(PS(*lead, a, b))
         if fmt != P.FP8_TENSOR:
-            specs.append(PS(a, b))
+            specs.append(PS(*lead, a, b))
     return specs
 
 
@@ -137,11 +138,22 @@ def _mesh_size(mesh, axes):
     return math.prod(mesh.shape[a] for a in axes)
 
 
+def _split_spec(spec, nbatch: int) -> tuple:
+    """(mesh axes of the leading batch dims, of M, of K) from an operand's PartitionSpec."""
+    spec = tuple(spec) + (None,) * (nbatch + 2 - len(spec))
+    return spec[:nbatch], spec[nbatch], spec[nbatch + 1]
+
+
 def quantize(x, scales, seed, row, col):
-    """P.quantize for a 2D x under jit with a mesh: each shard quantized in place; returns the present
-    outputs (row_data, row_scale?, col_data, col_scale?) in that order."""
-    m, k = x.shape
-    rule, sizes, repl = _rule(row, col, m, k)
+    """P.quantize for x [..., M, K] under jit with a mesh: each shard quantized in place (leading batch dims,
+    from vmap, may be sharded too); returns the present outputs (row_data, row_scale?, col_data, col_scale?)."""
+    return _batched(lambda nb: _quantize_fn(x.shape[-2:], row, col, nb), x.ndim - 2)(x, scales, seed)
+
+
+def _quantize_fn(shape, row, col, nbatch: int):
+    """The custom_partitioning quantize of x [b_1..b_nbatch, M, K]."""
+    m, k = shape
+    rule, sizes, repl = _rule(row, col, m, k, nbatch)
     gm, gk = granularity(row, col)
 
     @partial(custom_partitioning)
@@ -149,50 +161,55 @@ def quantize(x, scales, seed, row, col):
         return _local_quantize(row, col, x, scales, seed)
 
     def axes_of(mesh, spec):
-        """The mesh axes x keeps along M and K: an axis whose shards would split blocks (or that is not a whole
+        """The mesh axes x keeps: an axis of M or K whose shards would split blocks (or that is not a whole
         number of blocks, so that its last block is padded) is gathered for the kernel instead."""
-        m_axes = spec[0] if len(spec) > 0 else None
-        k_axes = spec[1] if len(spec) > 1 else None
+        lead, m_axes, k_axes = _split_spec(spec, nbatch)
         if m % gm or (m // _mesh_size(mesh, m_axes)) % gm:
             m_axes = None
         if k % gk or (k // _mesh_size(mesh, k_axes)) % gk:
             k_axes = None
-        return m_axes, k_axes
+        return lead, m_axes, k_axes
 
     def partition(mesh, arg_shapes, result_shape):
-        m_axes, k_axes = axes_of(mesh, arg_shapes[0].sharding.spec)
-        outs = tuple(NamedSharding(mesh, s) for s in _specs(row, col, m_axes, k_axes))
-        args = (NamedSharding(mesh, PS(m_axes, k_axes)), NamedSharding(mesh, PS()), NamedSharding(mesh, PS()))
+        lead, m_axes, k_axes = axes_of(mesh, arg_shapes[0].sharding.spec)
+        outs = tuple(NamedSharding(mesh, s) for s in _specs(row, col, m_axes, k_axes, lead))
+        per_batch = NamedSharding(mesh, PS(*lead, None))
+        args = (NamedSharding(mesh, PS(*lead, m_axes, k_axes)), per_batch, per_batch)
 
         def lower(x, scales, seed):  # this shard's offsets in x, so stochastic rounding draws global positions
-            lm, lk = x.shape
+            lm, lk = x.shape[-2:]
             offsets = jnp.stack([_shard_index(mesh, m_axes) * lm, _shard_index(mesh, k_axes) * lk])
-            seed = seed.at[2:4].set(offsets.astype(jnp.uint32))
+            seed = seed.at[..., 2:4].set(offsets.astype(jnp.uint32))
             return _local_quantize(row, col, x, scales, seed)
         return mesh, lower, outs, args
 
     def infer(mesh, arg_shapes, result_shape):
-        m_axes, k_axes = axes_of(mesh, arg_shapes[0].sharding.spec)
-        return tuple(NamedSharding(mesh, s) for s in _specs(row, col, m_axes, k_axes))
+        lead, m_axes, k_axes = axes_of(mesh, arg_shapes[0].sharding.spec)
+        return tuple(NamedSharding(mesh, s) for s in _specs(row, col, m_axes, k_axes, lead))
 
     f.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
                     need_replication_factors=repl, **sizes)
-    plain = lambda x, scales, seed: tuple(o for o in P.quantize(x, scales, seed, row, col) if o is not None)
-    return _vmappable(f, plain)(x, scales, seed)
+    return f
 
 
 def amax(x, rht: bool = False):
-    """P.amax for a 2D x under jit with a mesh: local amaxes, then a max over the mesh axes x is split on."""
-    m, k = x.shape
+    """P.amax for x [..., M, K] under jit with a mesh: local amaxes, then a max over the mesh axes M and K are
+    split on (leading batch dims keep their own amaxes and their sharding)."""
+    return _batched(lambda nb: _amax_fn(x.shape[-2:], rht, nb), x.ndim - 2)(x)
+
+
+def _amax_fn(shape, rht: bool, nbatch: int):
+    m, k = shape
+    lead = [f"b{i}" for i in range(nbatch)]
+    rule = " ".join(lead + ["m", "k"]) + " -> " + ", ".join([" ".join(lead)] * 2)
 
     @custom_partitioning
     def f(x):
         return P.amax(x, rht)
 
     def partition(mesh, arg_shapes, result_shape):
-        spec = arg_shapes[0].sharding.spec
-        axes = tuple(a for s in spec if s is not None for a in (s if isinstance(s, tuple) else (s,)))
-        m_axes = spec[0] if len(spec) > 0 else None
+        lead, m_axes, k_axes = _split_spec(arg_shapes[0].sharding.spec, nbatch)
+        axes = tuple(a for s in (m_axes, k_axes) if s is not None for a in (s if isinstance(s, tuple) else (s,)))
         if rht and (m // _mesh_size(mesh, m_axes)) % 16:
             raise ValueError(f"jaxhq amax: the RHT groups 16 rows; a shard of x [{m}, {k}] has "
                              f"{m // _mesh_size(mesh, m_axes)} rows")
@@ -202,27 +219,28 @@ def amax(x, rht: bool = False):
             if axes:
                 a, r = jax.lax.pmax(a, axes), jax.lax.pmax(r, axes)
             return a, r
-        rep = NamedSharding(mesh, PS())
-        return mesh, lower, (rep, rep), (NamedSharding(mesh, PS(*spec)),)
+        out = NamedSharding(mesh, PS(*lead))
+        return mesh, lower, (out, out), (NamedSharding(mesh, PS(*lead, m_axes, k_axes)),)
 
     def infer(mesh, arg_shapes, result_shape):
-        rep = NamedSharding(mesh, PS())
-        return rep, rep
+        out = NamedSharding(mesh, PS(*_split_spec(arg_shapes[0].sharding.spec, nbatch)[0]))
+        return out, out
 
-    f.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule="m k -> , ",
+    f.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
                     reduction_factors=("m", "k"))
-    return _vmappable(f, lambda x: P.amax(x, rht))(x)
+    return f
 
 
-def _vmappable(partitioned, plain):
-    """`partitioned` (a custom_partitioning call, which has no batching rule) that hands over to `plain` (the
-    unpartitioned primitive, batched over leading axes in one launch) under vmap."""
-    fn = jax.custom_batching.custom_vmap(lambda *args: partitioned(*args))
+def _batched(make, nbatch: int):
+    """The custom_partitioning call `make(nbatch)` (which has no batching rule) made vmappable: under vmap it
+    hands over to `make(nbatch + 1)`, the same partitioned call with one more leading batch dim, so a vmapped
+    call (e.g. the experts of a grouped dense) stays sharded, its batch dims included."""
+    fn = jax.custom_batching.custom_vmap(lambda *args: make(nbatch)(*args))
 
     @fn.def_vmap
     def rule(axis_size, in_batched, *args):
         args = [a if b else jax.numpy.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(args, in_batched)]
-        out = plain(*args)
+        out = _batched(make, nbatch + 1)(*args)
         return out, jax.tree.map(lambda _: True, out)
 
     return fn

@@ -26,6 +26,12 @@ from .dense import default_kernel_init
 from .mlp import activate, is_gated
 from .state import QUANT_STATE, SLOTS
 
+def _expert_sharding(kernel_axes, path):
+    """The expert-parallel layout of the stacked kernel on the current mesh (None: experts not split)."""
+    from ..sharding import expert_sharding
+    return expert_sharding(tuple(kernel_axes), path)
+
+
 def _amax_only(amax) -> QTensor:
     """A stand-in quantized tensor carrying only an amax, to advance a delayed-scaling state."""
     s = Storage(data=None, amax=amax)
@@ -68,7 +74,8 @@ class GroupedDense(nn.Module):
             if st:
                 svars[g] = self.variable(QUANT_STATE, f"experts_{g}", lambda st=st: st)
         states = [svars[g].value if g in svars else None for g in range(self.num_groups)] if svars else None
-        y = ops.grouped_dense(x, kernel, group_sizes, quantizers=qss, key=quant_key(self), states=states)
+        y = ops.grouped_dense(x, kernel, group_sizes, quantizers=qss, key=quant_key(self), states=states,
+                              expert_sharding=_expert_sharding(self.kernel_axes, self.group_path(0)))
         if svars and not self.is_initializing() and self.is_mutable_collection(QUANT_STATE):
             self._advance_forward_states(x, kernel, group_sizes, qss, svars)
         return y

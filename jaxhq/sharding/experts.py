@@ -1,0 +1,74 @@
+"""Expert parallelism: stacked expert kernels [E, K, N] split on the `expert` mesh axis.
+
+The grouped dense op runs its groups as one vmap over the experts whose `spmd_axis_name` is the mesh axis of
+the expert dim, so each device computes only the experts it holds and no expert kernel moves between expert
+ranks. Inside an expert, the kernel [K, N] is laid out like any dense kernel (`kernel`, a WeightSharding:
+FSDP shards gathered as quantized bytes, tensor-parallel splits kept), and each group's token rows are split
+on the remaining batch axes (`tokens`: data, fsdp), as in a dense layer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .gather import ShardingError, WeightSharding, _axes
+from .rules import LogicalAxes, current_mesh, current_rules, mesh_axes
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertSharding:
+    """Where the experts of a grouped dense live: `axes` (mesh axes of the expert dim), `kernel` (the layout
+    of one expert's kernel, or None when it is whole on every device) and `tokens` (mesh axes of a group's
+    token rows). `name` labels errors."""
+
+    mesh: Any
+    axes: tuple
+    kernel: Optional[WeightSharding] = None
+    tokens: tuple = ()
+    name: str = ""
+
+    @property
+    def ways(self) -> int:
+        sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
+        return math.prod(sizes[a] for a in self.axes)
+
+    @property
+    def spmd_axis_name(self):
+        return self.axes[0] if len(self.axes) == 1 else self.axes
+
+    def check(self, num_experts: int) -> None:
+        """Raise ShardingError when the experts cannot be split evenly over the expert axes."""
+        if num_experts % self.ways:
+            raise ShardingError(
+                f"grouped dense {self.name or '(unnamed)'}: {num_experts} experts cannot be split over the mesh "
+                f"axes {self.axes} ({self.ways} devices); use a multiple of {self.ways} experts or a smaller "
+                "expert axis")
+
+    def constrain_groups(self, xs):
+        """xs [E, T, K] (one row set per expert): experts on the expert axes, token rows on `tokens`."""
+        spec = PartitionSpec(self.spmd_axis_name, self.tokens or None, *([None] * (xs.ndim - 2)))
+        return jax.lax.with_sharding_constraint(xs, NamedSharding(self.mesh, spec))
+
+
+def expert_sharding(kernel_axes: LogicalAxes, name: str = "", *, mesh=None, rules=None,
+                    gather: tuple = ("fsdp",)) -> Optional[ExpertSharding]:
+    """The ExpertSharding of stacked kernels [E, K, N] with logical `kernel_axes` (e.g. ("expert", "embed",
+    "mlp")), from the given or current mesh and rules; None without a mesh or when the expert dim is whole
+    (the grouped op then runs as before, every device computing every expert)."""
+    mesh = mesh if mesh is not None else current_mesh()
+    if mesh is None or len(kernel_axes) != 3:
+        return None
+    rules = rules if rules is not None else current_rules()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    spec = mesh_axes(tuple(kernel_axes), rules, mesh)
+    axes = tuple(a for a in _axes(spec[0]) if sizes[a] > 1)
+    if not axes:
+        return None
+    batch = _axes(mesh_axes(("batch",), rules, mesh)[0])
+    tokens = tuple(a for a in batch if a not in axes and sizes[a] > 1)
+    kernel = WeightSharding(mesh, (spec[1], spec[2]), gather, name, tokens)
+    return ExpertSharding(mesh, axes, kernel, tokens, name)
