@@ -131,6 +131,43 @@ def test_quantized_attention_forward_and_backward_points():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-2, atol=2e-2 * float(jnp.abs(b).max()))
 
 
+def test_high_precision_attention_picks_its_implementation():
+    from jaxhq.layers.attention import fused_implementation
+    q = jnp.ones((1, 8, 4, 64), jnp.bfloat16)
+    want = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    assert fused_implementation(q, q) == want
+    assert fused_implementation(q.astype(jnp.float32), q.astype(jnp.float32)) == "xla"  # cuDNN: bf16/fp16 only
+    assert fused_implementation(jnp.ones((1, 8, 4, 12), jnp.bfloat16), q) == "xla"  # head dim not a multiple of 8
+    assert fused_implementation(q, q, "xla") == "xla" and fused_implementation(q, q, "cudnn") == "cudnn"
+    with pytest.raises(ValueError, match="'xla', 'cudnn' or None, got 'flash'"):
+        fused_implementation(q, q, "flash")
+
+
+@pytest.mark.gpu
+def test_attention_on_gpu_runs_cudnn_and_matches_xla():
+    """bf16 MultiHeadAttention on a GPU: the picked implementation is cuDNN's fused kernel (a cuDNN custom call
+    in the compiled HLO) and its output and gradients match XLA's attention. The two round intermediates
+    (probabilities, partial sums) to bf16 at different points, and bf16 keeps 8 significant bits, so an
+    element may differ by a few units of 2^-8 relative; a relative Frobenius bound of 2e-2 allows that, while
+    a wrong mask, scale or head layout gives differences of order 1."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a CUDA GPU")
+    x = rand(40, (2, 256, 256)).astype(jnp.bfloat16)
+    mods = {impl: jaxhq.layers.MultiHeadAttention(4, recipes.bf16(), dtype=jnp.bfloat16, implementation=impl)
+            for impl in (None, "xla")}
+    p = unbox(jax.jit(mods["xla"].init)(jax.random.key(1), x))
+
+    def fn(m):
+        return jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(jnp.sin(m.apply(p, x).astype(jnp.float32))),
+                                          (0, 1)))
+    hlo = fn(mods[None]).lower(p, x).compile().as_text()
+    assert "cudnn" in hlo.lower(), "expected cuDNN's fused attention in the compiled step"
+    got, want = fn(mods[None])(p, x), fn(mods["xla"])(p, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b) + 1e-6
+
+
 # ------------------------------------------------- a per-layer factory lands
 
 def test_per_layer_factory_lands_in_residuals(monkeypatch):

@@ -2,7 +2,8 @@
 
 DPA slots (module_type "dpa"): forward qkv (Q, K, V), s (softmax probabilities), o (output); backward do (the
 output's gradient), dp (gradient of the probabilities), dqkv (gradients of Q, K, V). With every active slot
-Identity the module is plain `jax.nn.dot_product_attention` (causal and padding masks, GQA). Otherwise it is an
+Identity the module is plain `jax.nn.dot_product_attention` (causal and padding masks, GQA), run by cuDNN's
+fused flash attention on a GPU for bf16/fp16 inputs it takes (see `fused_implementation`). Otherwise it is an
 einsum softmax attention that fake-quantizes (quantize then dequantize, rowwise copy: blocks along the last
 axis) each forward tensor, and each backward tensor through `grad_quantize`, an identity whose backward
 fake-quantizes the cotangent. Boundary slots wired by a parent (`output_role`, `grad_input_role`) carry the
@@ -102,6 +103,38 @@ def quantized_attention(q, k, v, mask, *, causal: bool, scale: Optional[float], 
     return _gq(_fq(o, qz["o"], keys["o"]), qz["do"], keys["do"])
 
 
+FUSED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def fused_implementation(q, k, implementation: Optional[str] = None) -> str:
+    """The `jax.nn.dot_product_attention` implementation for high-precision attention: `implementation` when
+    given ("xla" or "cudnn"), else "cudnn" on a GPU for bf16/fp16 q and k with a head dim that is a multiple
+    of 8 and at most 128 (cuDNN's flash attention: no [B, N, T, S] logits in memory), else "xla"."""
+    if implementation is not None:
+        if implementation not in ("xla", "cudnn"):
+            raise ValueError(f"attention implementation must be 'xla', 'cudnn' or None, got {implementation!r}")
+        return implementation
+    from ..ops.gemm import platform
+    h = q.shape[-1]
+    ok = (platform() == "gpu" and jnp.dtype(q.dtype) in FUSED_DTYPES and k.dtype == q.dtype and h % 8 == 0
+          and h <= 128)
+    return "cudnn" if ok else "xla"
+
+
+def plain_attention(q, k, v, mask, *, causal: bool, scale: Optional[float], implementation: Optional[str] = None):
+    """`jax.nn.dot_product_attention` with the implementation `fused_implementation` picks; where cuDNN turns
+    the call down at trace time (a shape, mask or version it does not take) and none was asked for, XLA's."""
+    impl = fused_implementation(q, k, implementation)
+    call = functools.partial(jax.nn.dot_product_attention, q, k, v, mask=normalize_mask(mask), is_causal=causal,
+                             scale=scale)
+    if impl == "cudnn" and implementation is None:
+        try:
+            return call(implementation="cudnn")
+        except (NotImplementedError, ValueError, RuntimeError):
+            return call(implementation="xla")
+    return call(implementation=impl)
+
+
 class DotProductAttention(nn.Module):
     """softmax(q k^T * scale + mask) v for q [B, T, N, H], k and v [B, S, K, H] (K divides N: GQA)."""
 
@@ -110,6 +143,7 @@ class DotProductAttention(nn.Module):
     scale: Optional[float] = None
     output_role: Optional[QuantizerRole] = None  # consumer of o (it quantizes o); None: this module does
     grad_input_role: Optional[QuantizerRole] = None  # consumer of dqkv; None: this module quantizes it
+    implementation: Optional[str] = None  # high-precision attention: "xla", "cudnn", or None (picked)
 
     @nn.compact
     def __call__(self, q, k, v, mask=None):
@@ -131,8 +165,8 @@ class DotProductAttention(nn.Module):
                                  "supported in attention, use a current-scaling quantizer or Identity()")
             quantizers[s.key] = qz
         if not any(active(qz) for qz in quantizers.values()):
-            return jax.nn.dot_product_attention(q, k, v, mask=normalize_mask(mask), is_causal=self.causal,
-                                                scale=self.scale)
+            return plain_attention(q, k, v, mask, causal=self.causal, scale=self.scale,
+                                   implementation=self.implementation)
         return quantized_attention(q, k, v, mask, causal=self.causal, scale=self.scale, quantizers=quantizers,
                                    key=quant_key(self))
 
@@ -168,6 +202,7 @@ class MultiHeadAttention(nn.Module):
     kernel_init: Any = default_kernel_init
     output_role: Optional[QuantizerRole] = None
     grad_input_role: Optional[QuantizerRole] = None
+    implementation: Optional[str] = None  # of the high-precision attention, see DotProductAttention
 
     @nn.compact
     def __call__(self, x, mask=None):
@@ -194,7 +229,8 @@ class MultiHeadAttention(nn.Module):
         if self.rotary:
             q, k = rotary(q, self.rotary_base), rotary(k, self.rotary_base)
         o = DotProductAttention(self.recipe, causal=self.causal, output_role=proj_roles["input"],
-                                grad_input_role=qkv_roles["grad_output"], name="dpa")(q, k, v, mask)
+                                grad_input_role=qkv_roles["grad_output"], implementation=self.implementation,
+                                name="dpa")(q, k, v, mask)
         o = o.reshape(*lead, n * h)
         return Dense(d, self.recipe, use_bias=self.use_bias, kernel_axes=("heads", "embed"), dtype=self.dtype,
                      param_dtype=self.param_dtype, kernel_init=self.kernel_init, output_role=self.output_role,

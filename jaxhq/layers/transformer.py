@@ -43,6 +43,7 @@ class TransformerLayer(nn.Module):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     kernel_init: Any = default_kernel_init
+    attention_implementation: Optional[str] = None  # high-precision attention: "xla", "cudnn", None (picked)
 
     @nn.compact
     def __call__(self, x, mask=None, deterministic: bool = True):
@@ -51,7 +52,8 @@ class TransformerLayer(nn.Module):
         common = dict(recipe=self.recipe, dtype=self.dtype, param_dtype=self.param_dtype,
                       kernel_init=self.kernel_init, norm=self.norm, epsilon=self.epsilon)
         a = MultiHeadAttention(self.num_heads, num_kv_heads=self.num_kv_heads, rotary=self.rotary,
-                               causal=self.causal, name="attn", **common)(x, mask)
+                               causal=self.causal, implementation=self.attention_implementation, name="attn",
+                               **common)(x, mask)
         x = x + nn.Dropout(self.dropout_rate)(a, deterministic=deterministic)
         if self.moe is None:
             m = LayerNormMLP(self.d_ff, activation=self.activation, use_bias=False, name="mlp", **common)(x)
