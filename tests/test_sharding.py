@@ -75,6 +75,16 @@ def test_rules_map_logical_axes():
     assert mesh_axes(("embed", "mlp"), r, small) == P("fsdp", None)
 
 
+def test_constrain_takes_mesh_and_rules_from_the_context():
+    """Under jax.set_mesh and nn.logical_axis_rules, `constrain` uses both (sequence parallel: length on tensor)."""
+    from jaxhq.sharding import constrain
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    x = jnp.ones((8, 32, 16))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(sequence_parallel=True)):
+        y = jax.jit(lambda x: constrain(x, ("batch", "length", "embed")) * 2)(x)
+    assert y.addressable_shards[0].data.shape == (2, 16, 16)  # batch over data x fsdp, length over tensor
+
+
 def test_shard_state_places_boxed_params_by_rules():
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
 
@@ -409,13 +419,17 @@ def test_moe_layer_expert_parallel_equals_unsharded(recipe_name):
     assert moves and all(c.dtype == "u8" and c.shape[0] == 2 for c in moves), moves
 
 
-@pytest.mark.parametrize("mesh_name, recipe_name", [
-    pytest.param(m, r, marks=() if (m, r) == ("dp2_fsdp2_tp2", "mxfp8") else pytest.mark.slow)
-    for m in MESHES for r in RECIPES])
-def test_transformer_layers_sharded_step_equals_unsharded(mesh_name, recipe_name):
+TRANSFORMER_CORE = {("dp2_fsdp2_tp2", "mxfp8", False), ("dp2_fsdp2_tp2", "nvfp4", True)}
+
+
+@pytest.mark.parametrize("mesh_name, recipe_name, sp", [
+    pytest.param(m, r, sp, marks=() if (m, r, sp) in TRANSFORMER_CORE else pytest.mark.slow)
+    for m in MESHES for r in RECIPES for sp in (False, True) if not sp or "tp" in m])
+def test_transformer_layers_sharded_step_equals_unsharded(mesh_name, recipe_name, sp):
     """2 TransformerLayers (jaxhq.layers) under jax.set_mesh + nn.logical_axis_rules: the layers pick up the
-    quantized-gather hook from the mesh; params placed by shard_state from their logical boxes."""
-    mesh, rules = make_mesh(**MESHES[mesh_name]), axis_rules()
+    quantized-gather hook from the mesh; params placed by shard_state from their logical boxes. With `sp`,
+    sequence parallelism: the residual stream around the norms split on `length` over the tensor axis."""
+    mesh, rules = make_mesh(**MESHES[mesh_name]), axis_rules(sequence_parallel=sp)
     boxed, params, batch = M.transformer_init(0)
     key = jax.random.key(1)
     ps = state_shardings(boxed, mesh, rules)  # boxes -> NamedShardings: the unboxed params' structure

@@ -3,6 +3,8 @@
 The norms are fused into the first GEMM of each branch (attn.qkv is a LayerNormDense, mlp a LayerNormMLP),
 attention has rotary embeddings and GQA, and `moe` (a MoEConfig) swaps the MLP for a mixture of experts.
 Roles: "<path>.attn.{qkv,dpa,proj}", "<path>.mlp.{fc1,fc2}" or "<path>.moe.experts_<g>.{fc1,fc2}".
+Under a mesh the residual stream is constrained to (batch, length, embed), so the rules decide where it lives
+(with `axis_rules(sequence_parallel=True)`, split on length over the tensor axis around the norms).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from ..recipes import CustomRecipe
+from ..sharding.rules import constrain
 from .attention import MultiHeadAttention
 from .dense import default_kernel_init
 from .mlp import LayerNormMLP
@@ -47,18 +50,20 @@ class TransformerLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x, mask=None, deterministic: bool = True):
+        stream = ("batch", "length", "embed")  # split on length around the norms under sequence parallelism
         if self.dtype is not None:
             x = x.astype(self.dtype)
+        x = constrain(x, stream)
         common = dict(recipe=self.recipe, dtype=self.dtype, param_dtype=self.param_dtype,
                       kernel_init=self.kernel_init, norm=self.norm, epsilon=self.epsilon)
         a = MultiHeadAttention(self.num_heads, num_kv_heads=self.num_kv_heads, rotary=self.rotary,
                                causal=self.causal, implementation=self.attention_implementation, name="attn",
                                **common)(x, mask)
-        x = x + nn.Dropout(self.dropout_rate)(a, deterministic=deterministic)
+        x = constrain(x + nn.Dropout(self.dropout_rate)(a, deterministic=deterministic), stream)
         if self.moe is None:
             m = LayerNormMLP(self.d_ff, activation=self.activation, use_bias=False, name="mlp", **common)(x)
         else:
             cfg = self.moe if isinstance(self.moe, MoEConfig) else MoEConfig(**dict(self.moe))
             m = MoE(cfg.num_experts, cfg.top_k, cfg.d_ff or self.d_ff, activation=self.activation, name="moe",
                     **common)(x)
-        return x + nn.Dropout(self.dropout_rate)(m, deterministic=deterministic)
+        return constrain(x + nn.Dropout(self.dropout_rate)(m, deterministic=deterministic), stream)

@@ -77,10 +77,12 @@ def named_sharding(mesh: Mesh, names: LogicalAxes, rules=None) -> NamedSharding:
 
 
 def constrain(x, names: LogicalAxes, mesh: Optional[Mesh] = None, rules=None):
-    """`with_sharding_constraint` by logical names; a no-op without a mesh (argument or `jax.set_mesh`)."""
+    """`with_sharding_constraint` by logical names, with the given or current mesh (`jax.set_mesh`) and rules
+    (`nn.logical_axis_rules`, else DEFAULT_RULES); a no-op without a mesh."""
     mesh = mesh if mesh is not None else current_mesh()
     if mesh is None:
         return x
+    rules = rules if rules is not None else current_rules()
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, mesh_axes(names, rules, mesh)))
 
 
