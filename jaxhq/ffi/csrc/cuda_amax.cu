@@ -57,12 +57,17 @@ std::string launch_amax(const void* x, int32_t dtype, int64_t batch, int64_t m, 
   if (m * k > 0) {
     dim3 grid(unsigned((k + kThreads - 1) / kThreads), unsigned((m + kRowsPerBlock - 1) / kRowsPerBlock),
               unsigned(batch));
+    const dim3 block(kThreads);
     switch (dtype) {
       case kBF16:
-        amax_kernel<<<grid, kThreads, 0, s>>>(static_cast<const __nv_bfloat16*>(x), m, k, rht, amax, amax_rht);
+        launch_kernel(amax_kernel<__nv_bfloat16>, grid, block, 0, s, static_cast<const __nv_bfloat16*>(x), m, k, rht,
+                      amax, amax_rht);
         break;
-      case kF16: amax_kernel<<<grid, kThreads, 0, s>>>(static_cast<const __half*>(x), m, k, rht, amax, amax_rht); break;
-      default: amax_kernel<<<grid, kThreads, 0, s>>>(static_cast<const float*>(x), m, k, rht, amax, amax_rht);
+      case kF16:
+        launch_kernel(amax_kernel<__half>, grid, block, 0, s, static_cast<const __half*>(x), m, k, rht, amax, amax_rht);
+        break;
+      default:
+        launch_kernel(amax_kernel<float>, grid, block, 0, s, static_cast<const float*>(x), m, k, rht, amax, amax_rht);
     }
   }
   return cuda_status();

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <utility>
 
 #include "numerics.h"
 
@@ -25,6 +26,32 @@ __device__ __forceinline__ float warp_nmax(float v) {
 // saturating_fp8 on the hardware converter (round to nearest even, saturate to finite, NaN stays NaN).
 __device__ __forceinline__ uint16_t fp8x2(float a, float b, bool e5m2) {
   return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3);
+}
+
+// Launches `kernel` (a __global__ function) on grid x block threads with `smem` bytes of dynamic shared
+// memory on `stream` (above 48 KB after the per-kernel opt-in). Compiled by a host compiler for the CPU
+// emulator (tests/cuda_emu), it runs the blocks there instead.
+template <typename... P, typename... A>
+void launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, A&&... args) {
+#if defined(JAXHQ_EMU)
+  emu::launch(grid, block, smem, [&] { kernel(args...); });
+#else
+  if (smem > 48 * 1024)
+    cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         int(smem));
+  kernel<<<grid, block, smem, stream>>>(std::forward<A>(args)...);
+#endif
+}
+
+// The block's dynamic shared memory (16-byte aligned) as a T.
+template <typename T>
+__device__ __forceinline__ T* dynamic_smem() {
+#if defined(JAXHQ_EMU)
+  return reinterpret_cast<T*>(emu::block().smem.data());
+#else
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  return reinterpret_cast<T*>(smem_raw);
+#endif
 }
 
 inline std::string cuda_status() {

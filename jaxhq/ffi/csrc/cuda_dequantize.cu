@@ -41,7 +41,8 @@ std::string launch_dequantize(const DequantizeArgs& a, void* stream) {
   if (n * a.batch == 0) return std::string();
   int64_t blocks = (n + 255) / 256;
   if (blocks > 65535 * 8) blocks = 65535 * 8;
-  dequantize_kernel<<<dim3(unsigned(blocks), unsigned(a.batch)), 256, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  launch_kernel(dequantize_kernel, dim3(unsigned(blocks), unsigned(a.batch)), dim3(256), 0,
+                static_cast<cudaStream_t>(stream), a);
   return cuda_status();
 }
 

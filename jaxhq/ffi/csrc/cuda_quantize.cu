@@ -110,8 +110,7 @@ template <> __device__ constexpr int dtype_id<__half>() { return kF16; }
 
 template <typename T, bool kBatched>
 __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Smem<T>& sm = *reinterpret_cast<Smem<T>*>(smem_raw);
+  Smem<T>& sm = *dynamic_smem<Smem<T>>();
   const int64_t b = blockIdx.z;
   const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
   load_tile<T, kBatched>(static_cast<const T*>(p.x) + b * p.m * p.k, p.m, p.k, r0, c0, sm.tile);
@@ -254,23 +253,23 @@ bool batched_load() {
 template <typename T, bool kBatched>
 std::string launch_tb(const Params& p, int64_t batch, cudaStream_t s) {
   const size_t smem = sizeof(Smem<T>);
-  // Above 48 KB of dynamic shared memory needs the opt-in (cheap; per device, so set at every launch).
-  if (smem > 48 * 1024)
-    cudaFuncSetAttribute(quantize_tile_kernel<T, kBatched>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         int(smem));
   dim3 grid(unsigned((p.k + kTile - 1) / kTile), unsigned((p.m + kTile - 1) / kTile), unsigned(batch));
-  quantize_tile_kernel<T, kBatched><<<grid, kThreads, smem, s>>>(p);
+  launch_kernel(quantize_tile_kernel<T, kBatched>, grid, dim3(kThreads), smem, s, p);
   return cuda_status();
 }
 
 template <typename T>
-std::string launch_t(const Params& p, int64_t batch, cudaStream_t s) {
-  return batched_load() ? launch_tb<T, true>(p, batch, s) : launch_tb<T, false>(p, batch, s);
+std::string launch_t(const Params& p, int64_t batch, cudaStream_t s, int variant) {
+  return variant == kBatchedLoad ? launch_tb<T, true>(p, batch, s) : launch_tb<T, false>(p, batch, s);
 }
 
 }  // namespace
 
 std::string launch_quantize(const QuantizeArgs& a, void* stream) {
+  return launch_quantize(a, stream, batched_load() ? kBatchedLoad : kAlternatingLoad);
+}
+
+std::string launch_quantize(const QuantizeArgs& a, void* stream, int variant) {
   if (a.m * a.k * a.batch == 0) return std::string();
   Params p;
   p.x = a.x;
@@ -287,9 +286,9 @@ std::string launch_quantize(const QuantizeArgs& a, void* stream) {
   }
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (a.dtype) {
-    case kBF16: return launch_t<__nv_bfloat16>(p, a.batch, s);
-    case kF16: return launch_t<__half>(p, a.batch, s);
-    default: return launch_t<float>(p, a.batch, s);
+    case kBF16: return launch_t<__nv_bfloat16>(p, a.batch, s, variant);
+    case kF16: return launch_t<__half>(p, a.batch, s, variant);
+    default: return launch_t<float>(p, a.batch, s, variant);
   }
 }
 

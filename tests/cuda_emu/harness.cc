@@ -1,0 +1,84 @@
+// C entry points for tests/test_cuda_emu.py: each call runs either the CUDA kernel (on the emulator of
+// cuda_emu.h, in the scheduling order asked for) or the CPU handlers' implementation on the same buffers.
+// Returns "" or the error text.
+#include "cuda_emu.h"
+#include "cuda_launch.h"
+
+namespace {
+thread_local std::string g_status, g_error;
+
+const char* status(const std::string& s) {
+  g_status = s;
+  return g_status.c_str();
+}
+}  // namespace
+
+// The runtime functions the kernels' launch code calls, on host memory (declared by cuda_runtime.h).
+// cudaGetLastError returns the last launch's error and clears it; its text stays for cudaGetErrorString.
+cudaError_t cudaGetLastError() {
+  if (emu::last_error().empty()) return cudaSuccess;
+  g_error = emu::last_error();
+  emu::last_error().clear();
+  return cudaErrorLaunchFailure;
+}
+const char* cudaGetErrorString(cudaError_t) { return g_error.c_str(); }
+cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) {
+  std::memset(p, v, n);
+  return cudaSuccess;
+}
+
+extern "C" {
+
+// variant < 0: the CPU handlers' quantize_cpu; else the kernel variant (jaxhq::QuantizeVariant).
+const char* emu_quantize(const void* x, int dtype, int64_t batch, int64_t m, int64_t k, const float* scales,
+                         const uint32_t* seed, int row_fmt, int row_opts, void* rd, void* rs, int col_fmt,
+                         int col_opts, void* cd, void* cs, int variant, int order) {
+  jaxhq::QuantizeArgs a;
+  a.x = x;
+  a.dtype = dtype;
+  a.batch = batch;
+  a.m = m;
+  a.k = k;
+  a.scales = scales;
+  a.seed = seed;
+  a.row = jaxhq::CopySpec{row_fmt, row_opts, rd, rs};
+  a.col = jaxhq::CopySpec{col_fmt, col_opts, cd, cs};
+  if (variant < 0) {
+    jaxhq::quantize_cpu(a);
+    return status("");
+  }
+  emu::set_order(order);
+  return status(jaxhq::launch_quantize(a, nullptr, variant));
+}
+
+const char* emu_amax(const void* x, int dtype, int64_t batch, int64_t m, int64_t k, int rht, float* amax,
+                     float* amax_rht, int kernel, int order) {
+  if (!kernel) {
+    jaxhq::amax_cpu(x, dtype, batch, m, k, rht != 0, amax, amax_rht);
+    return status("");
+  }
+  emu::set_order(order);
+  return status(jaxhq::launch_amax(x, dtype, batch, m, k, rht != 0, amax, amax_rht, nullptr));
+}
+
+const char* emu_dequantize(const void* data, const void* scale, const float* scalar, float* out, int fmt, int opts,
+                           int64_t batch, int64_t r, int64_t c, int kernel, int order) {
+  jaxhq::DequantizeArgs a;
+  a.data = data;
+  a.scale = scale;
+  a.scalar = scalar;
+  a.out = out;
+  a.fmt = fmt;
+  a.opts = opts;
+  a.batch = batch;
+  a.r = r;
+  a.c = c;
+  if (!kernel) {
+    jaxhq::dequantize_cpu(a);
+    return status("");
+  }
+  emu::set_order(order);
+  return status(jaxhq::launch_dequantize(a, nullptr));
+}
+
+}  // extern "C"

@@ -1,0 +1,204 @@
+"""The CUDA kernels' sources run on the CPU emulator (tests/cuda_emu): quantize (every kernel variant), amax
+and dequantize, bit-equal to the CPU handlers' implementation (which test_ffi_cpu.py holds bit-equal to the
+jnp reference), on fresh random data with outputs poisoned twice (two byte values, so every byte is proven
+written), the block's threads scheduled forwards, backwards and shuffled (a missing barrier or a race reads
+poison). No GPU needed: this checks the kernels' indexing, shared-memory use, barriers and shuffles in CI;
+test_ffi_gpu.py checks the same sources compiled by nvcc on a GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import pathlib
+import shutil
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxhq.ffi import primitives as P
+from jaxhq.ffi.dispatch import format_id
+from jaxhq.formats import NVFP4, Hybrid
+from jaxhq.formats.hybrid import side
+
+from test_ffi_checks import HYBRID, SHAPES, SINGLE, applicable, random_input  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CSRC = ROOT / "jaxhq" / "ffi" / "csrc"
+EMU = ROOT / "tests" / "cuda_emu"
+ORDERS = (0, 1, 7)  # forwards, backwards, shuffled
+VARIANTS = (0, 1)  # QuantizeVariant: alternating and batched tile loads
+DTYPES = {1: ml_dtypes.bfloat16, 0: np.float32, 2: np.float16}  # InDtype ids
+POISONS = (0xFF, 0x5A)
+
+
+def _cuda_include():
+    for base in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if base and (pathlib.Path(base) / "include" / "cuda_runtime.h").exists():
+            return pathlib.Path(base) / "include"
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        inc = pathlib.Path(os.path.realpath(nvcc)).parent.parent / "include"
+        if (inc / "cuda_runtime.h").exists():
+            return inc
+    return None
+
+
+@pytest.fixture(scope="session")
+def emu(tmp_path_factory):
+    """The kernels and the CPU implementation, compiled by the host C++ compiler into one library."""
+    inc, cxx = _cuda_include(), shutil.which(os.environ.get("CXX", "g++"))
+    if inc is None or cxx is None:
+        pytest.skip("needs CUDA's headers (cuda_runtime.h, cuda_fp8.h) and a C++ compiler to build the emulator")
+    out = tmp_path_factory.mktemp("cuda_emu")
+    flags = [cxx, "-std=c++17", "-O2", "-fPIC", f"-I{CSRC}", f"-I{EMU}", f"-I{inc}"]
+    jobs = [flags + ["-w", "-include", str(EMU / "cuda_emu.h"), "-x", "c++", "-c", str(CSRC / f"{n}.cu"), "-o",
+                     str(out / f"{n}.o")] for n in ("cuda_quantize", "cuda_amax", "cuda_dequantize")]
+    jobs += [flags + ["-c", str(CSRC / "cpu_quantize.cc"), "-o", str(out / "cpu_quantize.o")],
+             flags + ["-c", str(EMU / "harness.cc"), "-o", str(out / "harness.o")]]
+    procs = [subprocess.Popen(j, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for j in jobs]
+    for p, j in zip(procs, jobs):
+        log = p.communicate()[0]
+        assert p.returncode == 0, f"{' '.join(j)}\n{log[-4000:]}"
+    lib_path = out / "libjaxhq_cuda_emu.so"
+    subprocess.run([cxx, "-shared", "-o", str(lib_path), *map(str, out.glob("*.o"))], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64  # harness.cc's signatures
+    lib.emu_quantize.argtypes = [ptr, i32, i64, i64, i64, ptr, ptr, i32, i32, ptr, ptr, i32, i32, ptr, ptr, i32, i32]
+    lib.emu_amax.argtypes = [ptr, i32, i64, i64, i64, i32, ptr, ptr, i32, i32]
+    lib.emu_dequantize.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i64, i64, i64, i32, i32]
+    for fn in (lib.emu_quantize, lib.emu_amax, lib.emu_dequantize):
+        fn.restype = ctypes.c_char_p
+    return lib
+
+
+def _ptr(a):
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+def _data_bytes(fmt, r, c):
+    return 0 if fmt == P.NONE else r * ((c + 1) // 2) if fmt == P.NVFP4 else r * c
+
+
+def _scale_bytes(fmt, r, c):
+    cd = lambda a, b: -(-a // b)  # noqa: E731
+    return {P.MXFP8: r * cd(c, 32), P.NVFP4: r * cd(c, 16), P.FP8_BLOCK_1x128: 4 * r * cd(c, 128),
+            P.FP8_BLOCK_128x128: 4 * cd(r, 128) * cd(c, 128)}.get(fmt, 0)
+
+
+def _quantize(lib, x, row, col, scales, seed, variant, order, poison):
+    """(error text, [row data, row scale, col data, col scale] bytes) of one call; variant -1: CPU code."""
+    batch, m, k = x.shape
+    sizes = (_data_bytes(row[0], m, k), _scale_bytes(row[0], m, k), _data_bytes(col[0], k, m),
+             _scale_bytes(col[0], k, m))
+    outs = [np.full(max(batch * n, 1), poison, np.uint8) for n in sizes]
+    dtype_id = next(i for i, d in DTYPES.items() if np.dtype(d) == x.dtype)
+    err = lib.emu_quantize(_ptr(x), dtype_id, batch, m, k, _ptr(scales), _ptr(seed), row[0], row[1], _ptr(outs[0]),
+                           _ptr(outs[1]), col[0], col[1], _ptr(outs[2]), _ptr(outs[3]), variant, order)
+    return err.decode(), [o[:batch * n] for o, n in zip(outs, sizes)]
+
+
+def _fp8_nan(b, e5m2: bool):
+    return (b & 0x7F) > 0x7C if e5m2 else (b & 0x7F) == 0x7F
+
+
+def _differ(got, want, fmt, opts, is_data):
+    """Positions where the bytes differ, two FP8 NaN codes counting as equal whatever their sign bit: the sign
+    of a NaN made by an invalid operation (inf * 0) is the platform's (negative on x86, positive on a GPU), and
+    the emulator runs host arithmetic into the GPU converter's model, which encodes every NaN as 0x7F."""
+    bad = got != want
+    if is_data and fmt in (P.FP8_TENSOR, P.MXFP8, P.FP8_BLOCK_1x128, P.FP8_BLOCK_128x128):
+        e5 = bool(opts & P.OPT_E5M2)
+        bad &= ~(_fp8_nan(got, e5) & _fp8_nan(want, e5))
+    return np.flatnonzero(bad)
+
+
+def _ids(q):
+    return tuple(format_id(side(q, a), a) or (P.NONE, 0) for a in ("rowwise", "columnwise"))
+
+
+QUANTIZERS = SINGLE + HYBRID + [NVFP4(stochastic_rounding=True), NVFP4(rht=True, block_2d=True,
+                                                                       stochastic_rounding=True)]
+_seed = itertools.count(3000)
+
+
+def _cases():
+    shapes = SHAPES + [(257, 385)]
+    for i, q in enumerate(QUANTIZERS):
+        for j, shape in enumerate(shapes):
+            if applicable(q, shape):
+                yield q, shape, list(DTYPES)[(i + j) % len(DTYPES)], 2 if j == 0 else 1
+
+
+def _input(shape, dtype_id, batch, special: bool):
+    x = np.array(random_input(jax.random.key(next(_seed)), (batch, *shape), jnp.float32))
+    if special:  # NaN and infinities poison their blocks and per-tensor amaxes; the kernels must agree
+        flat = x.reshape(-1)
+        flat[[3, flat.size // 2]] = np.nan
+        flat[[flat.size // 3]] = np.inf
+    return np.ascontiguousarray(x.astype(DTYPES[dtype_id]))
+
+
+@pytest.mark.parametrize("q,shape,dtype_id,batch", list(_cases()),
+                         ids=lambda v: str(getattr(v, "label", v)))
+def test_quantize_kernel_matches_cpu_code(emu, q, shape, dtype_id, batch):
+    row, col = _ids(q)
+    rng = np.random.default_rng(next(_seed))
+    for usage, special in (((row, col), False), ((row, (P.NONE, 0)), True), (((P.NONE, 0), col), False)):
+        if usage[0][0] == P.NONE and usage[1][0] == P.NONE:
+            continue
+        x = _input(shape, dtype_id, batch, special)
+        scales = rng.uniform(0.5, 300.0, (batch, 2)).astype(np.float32)
+        seed = np.array([[*rng.integers(0, 2 ** 32, 2), 0, 0, *shape]] * batch, np.uint32)
+        err, want = _quantize(emu, x, *usage, scales, seed, -1, 0, 0)
+        assert err == ""
+        for variant, order, poison in itertools.product(VARIANTS, ORDERS, POISONS):
+            err, got = _quantize(emu, x, *usage, scales, seed, variant, order, poison)
+            assert err == "", err
+            for i, (name, g, w) in enumerate(zip(("row data", "row scale", "col data", "col scale"), got, want)):
+                bad = _differ(g, w, *usage[i // 2], is_data=i % 2 == 0)
+                assert bad.size == 0, (f"{q.label} {shape} batch {batch} {usage} variant {variant} order {order} "
+                                       f"poison {poison:#x}: {name} differs at {bad.size} of {g.size} bytes, "
+                                       f"first {bad[:5]}")
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (300, 17), (257, 385), (64, 96)])
+@pytest.mark.parametrize("dtype_id", list(DTYPES))
+def test_amax_kernel_matches_cpu_code(emu, shape, dtype_id):
+    rht = shape[0] % 16 == 0
+    for special in (False, True):
+        x = _input(shape, dtype_id, 2, special)
+        res = []
+        for kernel, order in ((0, 0), *((1, o) for o in ORDERS)):
+            am, ar = np.full(2, np.float32(-1)), np.full(2, np.float32(-1))
+            assert emu.emu_amax(_ptr(x), dtype_id, 2, *shape, int(rht), _ptr(am), _ptr(ar), kernel, order) == b""
+            res.append((am, ar))
+        for am, ar in res[1:]:  # as floats: NaN equals NaN whatever its payload (the converters' differ)
+            np.testing.assert_array_equal(am, res[0][0])
+            np.testing.assert_array_equal(ar, res[0][1])
+
+
+@pytest.mark.parametrize("q", SINGLE, ids=lambda q: q.label)
+def test_dequantize_kernel_matches_cpu_code(emu, q):
+    shape = (130, 272)
+    fmt, opts = format_id(q, "rowwise")
+    x = _input(shape, 1, 1, False)
+    rng = np.random.default_rng(next(_seed))
+    scales = rng.uniform(0.5, 300.0, (1, 2)).astype(np.float32)
+    seed = np.array([[1, 2, 0, 0, *shape]], np.uint32)
+    err, (data, scale, _, _) = _quantize(emu, x, (fmt, opts), (P.NONE, 0), scales, seed, -1, 0, 0)
+    assert err == ""
+    scalar = scales[:, 0].copy()
+    outs = []
+    for kernel, order in ((0, 0), *((1, o) for o in ORDERS)):
+        out = np.full(shape, np.nan, np.float32)
+        assert emu.emu_dequantize(_ptr(data), _ptr(scale), _ptr(scalar), _ptr(out), fmt, opts, 1, *shape, kernel,
+                                  order) == b""
+        outs.append(out)
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])  # every element written (poisoned with NaN: none stays NaN)
+    assert not np.isnan(outs[0]).any()
