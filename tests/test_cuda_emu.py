@@ -1,6 +1,6 @@
 """The CUDA kernels' sources run on the CPU emulator (tests/cuda_emu): quantize (every kernel variant), amax
 and dequantize, bit-equal to the CPU handlers' implementation (which test_ffi_cpu.py holds bit-equal to the
-jnp reference), on fresh random data with outputs poisoned twice (two byte values, so every byte is proven
+jnp reference), and the GEMMs' bf16 dequantization of MXFP8/NVFP4 operands against ml_dtypes decodes, on fresh random data with outputs poisoned twice (two byte values, so every byte is proven
 written), the block's threads scheduled forwards, backwards and shuffled (a missing barrier or a race reads
 poison). No GPU needed: this checks the kernels' indexing, shared-memory use, barriers and shuffles in CI;
 test_ffi_gpu.py checks the same sources compiled by nvcc on a GPU.
@@ -57,7 +57,8 @@ def emu(tmp_path_factory):
     out = tmp_path_factory.mktemp("cuda_emu")
     flags = [cxx, "-std=c++17", "-O2", "-fPIC", f"-I{CSRC}", f"-I{EMU}", f"-I{inc}"]
     jobs = [flags + ["-w", "-include", str(EMU / "cuda_emu.h"), "-x", "c++", "-c", str(CSRC / f"{n}.cu"), "-o",
-                     str(out / f"{n}.o")] for n in ("cuda_quantize", "cuda_amax", "cuda_dequantize")]
+                     str(out / f"{n.replace('/', '_')}.o")]
+            for n in ("cuda_quantize", "cuda_amax", "cuda_dequantize", "gemm/gemm_kernels")]
     jobs += [flags + ["-c", str(CSRC / "cpu_quantize.cc"), "-o", str(out / "cpu_quantize.o")],
              flags + ["-c", str(EMU / "harness.cc"), "-o", str(out / "harness.o")]]
     procs = [subprocess.Popen(j, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for j in jobs]
@@ -71,7 +72,9 @@ def emu(tmp_path_factory):
     lib.emu_quantize.argtypes = [ptr, i32, i64, i64, i64, ptr, ptr, i32, i32, ptr, ptr, i32, i32, ptr, ptr, i32, i32]
     lib.emu_amax.argtypes = [ptr, i32, i64, i64, i64, i32, ptr, ptr, i32, i32]
     lib.emu_dequantize.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i64, i64, i64, i32, i32]
-    for fn in (lib.emu_quantize, lib.emu_amax, lib.emu_dequantize):
+    lib.emu_dequant_mxfp8.argtypes = [ptr, ptr, i64, i64, i32, ptr, i32]
+    lib.emu_dequant_nvfp4.argtypes = [ptr, ptr, i64, i64, ptr, i32]
+    for fn in (lib.emu_quantize, lib.emu_amax, lib.emu_dequantize, lib.emu_dequant_mxfp8, lib.emu_dequant_nvfp4):
         fn.restype = ctypes.c_char_p
     return lib
 
@@ -202,3 +205,55 @@ def test_dequantize_kernel_matches_cpu_code(emu, q):
     for o in outs[1:]:
         np.testing.assert_array_equal(o, outs[0])  # every element written (poisoned with NaN: none stays NaN)
     assert not np.isnan(outs[0]).any()
+
+
+# -- the GEMMs' dequantization to bf16 -------------------------------------------------------------------------
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def _bf16_bits(v32):
+    """Round-to-nearest-even to bf16 (ml_dtypes), as raw bits; the products are exact in float32."""
+    return np.asarray(v32, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def _same_bf16(got, want, what):
+    """Bit equality, NaN == NaN (a NaN's payload is the converter's)."""
+    nan = np.isnan(got.view(ml_dtypes.bfloat16).astype(np.float32)) & np.isnan(
+        want.view(ml_dtypes.bfloat16).astype(np.float32))
+    bad = np.flatnonzero((got != want) & ~nan)
+    assert bad.size == 0, f"{what}: {bad.size} of {got.size} values differ, first at {bad[:5]}"
+
+
+@pytest.mark.parametrize("k", [32, 96, 1024, 40])  # 40: not a multiple of 32, the 8-element kernel
+@pytest.mark.parametrize("e5m2", [False, True])
+def test_gemm_dequant_mxfp8_matches_ml_dtypes(emu, k, e5m2):
+    rng = np.random.default_rng(next(_seed))
+    rows, nb = 37, -(-k // 32)
+    data = rng.integers(0, 256, (rows, k), dtype=np.uint8)
+    scales = rng.integers(100, 155, (rows, nb), dtype=np.uint8)
+    scales[0, 0], scales[1, 0], scales[2, 0] = 0, 0xFF, 254  # 2^-127, NaN, 2^127
+    fp8 = ml_dtypes.float8_e5m2 if e5m2 else ml_dtypes.float8_e4m3fn
+    with np.errstate(over="ignore", invalid="ignore"):
+        sv = np.where(scales == 0xFF, np.nan, np.ldexp(np.float32(1), scales.astype(np.int32) - 127)).astype(
+            np.float32)
+        want = _bf16_bits(data.view(fp8).astype(np.float32) * np.repeat(sv, 32, axis=1)[:, :k])
+    for order in ORDERS:
+        out = np.full((rows, k), 0xFFFF, np.uint16)
+        assert emu.emu_dequant_mxfp8(_ptr(data), _ptr(scales), rows, k, int(e5m2), _ptr(out), order) == b""
+        _same_bf16(out, want, f"mxfp8 k={k} e5m2={e5m2} order {order}")
+
+
+@pytest.mark.parametrize("k", [32, 96, 1024, 48])  # 48: not a multiple of 32, the one-block kernel
+def test_gemm_dequant_nvfp4_matches_ml_dtypes(emu, k):
+    rng = np.random.default_rng(next(_seed))
+    rows = 37
+    data = rng.integers(0, 256, (rows, k // 2), dtype=np.uint8)
+    scales = rng.integers(0, 256, (rows, k // 16), dtype=np.uint8)
+    codes = np.stack([data & 0xF, data >> 4], axis=-1).reshape(rows, k)  # low nibble: the even element
+    sv = scales.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        want = _bf16_bits(E2M1[codes] * np.repeat(sv, 16, axis=1))
+    for order in ORDERS:
+        out = np.full((rows, k), 0xFFFF, np.uint16)
+        assert emu.emu_dequant_nvfp4(_ptr(data), _ptr(scales), rows, k, _ptr(out), order) == b""
+        _same_bf16(out, want, f"nvfp4 k={k} order {order}")

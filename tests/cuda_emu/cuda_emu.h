@@ -231,6 +231,10 @@ template <typename T>
 T __ldg(const T* p) {
   return *p;
 }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 // One block runs at a time and its fibers switch only at barriers: a plain read-modify-write is atomic.
 inline unsigned atomicMax(unsigned* p, unsigned v) {
   const unsigned old = *p;

@@ -3,6 +3,7 @@
 // Returns "" or the error text.
 #include "cuda_emu.h"
 #include "cuda_launch.h"
+#include "gemm/gemm_kernels.h"
 
 namespace {
 thread_local std::string g_status, g_error;
@@ -79,6 +80,19 @@ const char* emu_dequantize(const void* data, const void* scale, const float* sca
   }
   emu::set_order(order);
   return status(jaxhq::launch_dequantize(a, nullptr));
+}
+
+// The GEMMs' dequantization of an MXFP8 / NVFP4 operand [rows, k] to bf16 (gemm/gemm_kernels.cu).
+const char* emu_dequant_mxfp8(const uint8_t* data, const uint8_t* scales, int64_t rows, int64_t k, int e5m2, void* out,
+                              int order) {
+  emu::set_order(order);
+  return status(jaxhq::gemm::dequant_mxfp8(data, scales, rows, k, e5m2 != 0, out, nullptr));
+}
+
+const char* emu_dequant_nvfp4(const uint8_t* data, const uint8_t* scales, int64_t rows, int64_t k, void* out,
+                              int order) {
+  emu::set_order(order);
+  return status(jaxhq::gemm::dequant_nvfp4(data, scales, rows, k, out, nullptr));
 }
 
 }  // extern "C"

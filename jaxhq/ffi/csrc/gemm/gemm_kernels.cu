@@ -1,8 +1,10 @@
-// Kernels of gemm_kernels.h. Memory-bound helpers: 8 or 16 elements per thread, 16-byte stores.
+// Kernels of gemm_kernels.h. Memory-bound helpers with 16-byte stores; the dequantize kernels take a whole
+// 32-element MX block (two NVFP4 blocks) per thread, 16-byte loads included, when K is a multiple of 32.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include "../cuda_common.cuh"
 #include "gemm_kernels.h"
 
 namespace jaxhq {
@@ -63,6 +65,27 @@ __global__ void mxfp8_kernel(const uint8_t* __restrict__ data, const uint8_t* __
   *reinterpret_cast<uint4*>(out + (r * k + c) / 2) = *reinterpret_cast<uint4*>(o);
 }
 
+// One thread per 32-element MX block (K % 32 == 0, so block b is bytes [32b, 32b + 32) and scale b): two
+// 16-byte loads, four 16-byte stores.
+__global__ void mxfp8_block_kernel(const uint4* __restrict__ data, const uint8_t* __restrict__ scales,
+                                   int64_t blocks, bool e5m2, uint4* __restrict__ out) {
+  const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= blocks) return;
+  const uint4 w0 = __ldg(data + 2 * b), w1 = __ldg(data + 2 * b + 1);
+  const uint32_t w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+  const float s = e8m0_value(__ldg(scales + b));
+  uint4 o[4];
+  uint32_t* ow = reinterpret_cast<uint32_t*>(o);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float2 f = fp8x2_to_float2(uint16_t(w[i / 2] >> (16 * (i % 2))), e5m2);
+    const __nv_bfloat162 h = __floats2bfloat162_rn(f.x * s, f.y * s);
+    memcpy(ow + i, &h, 4);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) out[4 * b + j] = o[j];
+}
+
 // E2M1 code (4 bits, bit 3 the sign) to float.
 __device__ __forceinline__ float e2m1_value(uint32_t code) {
   uint32_t m = code & 7u, e = m >> 1, mant = m & 1u;
@@ -91,6 +114,32 @@ __global__ void nvfp4_kernel(const uint8_t* __restrict__ data, const uint8_t* __
   uint4* dst = reinterpret_cast<uint4*>(out + (r * k + c) / 2);
   dst[0] = reinterpret_cast<uint4*>(o)[0];
   dst[1] = reinterpret_cast<uint4*>(o)[1];
+}
+
+// One thread per two 16-element NVFP4 blocks (K % 32 == 0): one 16-byte load of packed codes, one 2-byte load of
+// the two E4M3 scales, four 16-byte stores.
+__global__ void nvfp4_pair_kernel(const uint4* __restrict__ data, const uint16_t* __restrict__ scales, int64_t pairs,
+                                  uint4* __restrict__ out) {
+  const int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (p >= pairs) return;
+  const uint4 v = __ldg(data + p);
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  const uint16_t sc = __ldg(scales + p);
+  float s[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+    s[j] = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>((sc >> (8 * j)) & 0xFF),
+                                                       __NV_E4M3)));
+  uint4 o[4];
+  uint32_t* ow = reinterpret_cast<uint32_t*>(o);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {  // byte i: elements 2i (low nibble) and 2i + 1, of block i / 8
+    const uint32_t byte = (w[i / 4] >> (8 * (i % 4))) & 0xFFu;
+    const __nv_bfloat162 h = __floats2bfloat162_rn(e2m1_value(byte & 0xFu) * s[i / 8], e2m1_value(byte >> 4) * s[i / 8]);
+    memcpy(ow + i, &h, 4);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) out[4 * p + j] = o[j];
 }
 
 __device__ __forceinline__ float inv_genc(const float* amax) {
@@ -143,36 +192,52 @@ __global__ void swizzle_kernel(const uint8_t* in, int64_t rows, int64_t cols, ui
 
 std::string swizzle_block_scales(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out, cudaStream_t s) {
   int64_t prow = (rows + 127) / 128 * 128, pcol = (cols + 3) / 4 * 4;
-  if (prow * pcol > 0) swizzle_kernel<<<blocks_for(prow * pcol), kThreads, 0, s>>>(in, rows, cols, out, prow, pcol);
+  if (prow * pcol > 0) launch_kernel(swizzle_kernel, blocks_for(prow * pcol), kThreads, 0, s, in, rows, cols, out, prow, pcol);
   return last_error();
 }
 
 std::string relayout_scales(const float* in, int64_t rows, int64_t cols, float* out, int64_t out_rs,
                             int64_t out_cs, int64_t out_elems, cudaStream_t s) {
-  if (out_elems > 0) fill_kernel<<<blocks_for(out_elems), kThreads, 0, s>>>(out, out_elems, 1.0f);
-  if (rows * cols > 0) relayout_kernel<<<blocks_for(rows * cols), kThreads, 0, s>>>(in, rows, cols, out, out_rs, out_cs);
+  if (out_elems > 0) launch_kernel(fill_kernel, blocks_for(out_elems), kThreads, 0, s, out, out_elems, 1.0f);
+  if (rows * cols > 0)
+    launch_kernel(relayout_kernel, blocks_for(rows * cols), kThreads, 0, s, in, rows, cols, out, out_rs, out_cs);
   return last_error();
 }
 
 std::string dequant_mxfp8(const uint8_t* data, const uint8_t* scales, int64_t rows, int64_t k, bool e5m2,
                           void* out_bf16, cudaStream_t s) {
+  if (k % 32 == 0) {
+    const int64_t blocks = rows * (k / 32);
+    if (blocks > 0)
+      launch_kernel(mxfp8_block_kernel, blocks_for(blocks), kThreads, 0, s, reinterpret_cast<const uint4*>(data),
+                    scales, blocks, e5m2, static_cast<uint4*>(out_bf16));
+    return last_error();
+  }
   int64_t n = rows * (k / 8);
   if (n > 0)
-    mxfp8_kernel<<<blocks_for(n), kThreads, 0, s>>>(data, scales, rows, k, e5m2,
-                                                     static_cast<__nv_bfloat162*>(out_bf16));
+    launch_kernel(mxfp8_kernel, blocks_for(n), kThreads, 0, s, data, scales, rows, k, e5m2,
+                  static_cast<__nv_bfloat162*>(out_bf16));
   return last_error();
 }
 
 std::string dequant_nvfp4(const uint8_t* data, const uint8_t* scales, int64_t rows, int64_t k, void* out_bf16,
                           cudaStream_t s) {
+  if (k % 32 == 0) {
+    const int64_t pairs = rows * (k / 32);
+    if (pairs > 0)
+      launch_kernel(nvfp4_pair_kernel, blocks_for(pairs), kThreads, 0, s, reinterpret_cast<const uint4*>(data),
+                    reinterpret_cast<const uint16_t*>(scales), pairs, static_cast<uint4*>(out_bf16));
+    return last_error();
+  }
   int64_t n = rows * (k / 16);
   if (n > 0)
-    nvfp4_kernel<<<blocks_for(n), kThreads, 0, s>>>(data, scales, rows, k, static_cast<__nv_bfloat162*>(out_bf16));
+    launch_kernel(nvfp4_kernel, blocks_for(n), kThreads, 0, s, data, scales, rows, k,
+                  static_cast<__nv_bfloat162*>(out_bf16));
   return last_error();
 }
 
 std::string nvfp4_alpha(const float* amax_a, const float* amax_b, float beta, float* alpha_beta, cudaStream_t s) {
-  alpha_kernel<<<1, 1, 0, s>>>(amax_a, amax_b, beta, alpha_beta);
+  launch_kernel(alpha_kernel, 1, 1, 0, s, amax_a, amax_b, beta, alpha_beta);
   return last_error();
 }
 
@@ -181,12 +246,11 @@ std::string epilogue(void* out, const void* tmp, const void* bias, int64_t m, in
   int64_t total = m * n;
   if (total == 0) return last_error();
   if (f32)
-    epilogue_kernel<float><<<blocks_for(total), kThreads, 0, s>>>(
-        static_cast<float*>(out), static_cast<const float*>(tmp), static_cast<const float*>(bias), m, n, accumulate);
+    launch_kernel(epilogue_kernel<float>, blocks_for(total), kThreads, 0, s, static_cast<float*>(out),
+                  static_cast<const float*>(tmp), static_cast<const float*>(bias), m, n, accumulate);
   else
-    epilogue_kernel<__nv_bfloat16><<<blocks_for(total), kThreads, 0, s>>>(
-        static_cast<__nv_bfloat16*>(out), static_cast<const __nv_bfloat16*>(tmp),
-        static_cast<const __nv_bfloat16*>(bias), m, n, accumulate);
+    launch_kernel(epilogue_kernel<__nv_bfloat16>, blocks_for(total), kThreads, 0, s, static_cast<__nv_bfloat16*>(out),
+                  static_cast<const __nv_bfloat16*>(tmp), static_cast<const __nv_bfloat16*>(bias), m, n, accumulate);
   return last_error();
 }
 
