@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 
 import jax
@@ -106,10 +107,12 @@ def main():
         del out
 
     res = dict(device=dev.device_kind, jax=jax.__version__, shape=[args.m, args.k], dtype="bfloat16",
+               variant=os.environ.get("JAXHQ_QUANTIZE_VARIANT", "alternating"),  # of the quantize kernel
                copy_ms=min(copy_t, neg_t) * 1e3, copy_tbps=copy_bw / 1e12, rows=rows)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
-    print(f"\n{args.m}x{args.k} bf16 on {dev.device_kind}; copy {copy_bw / 1e12:.2f} TB/s")
+    print(f"\n{args.m}x{args.k} bf16 on {dev.device_kind}; copy {copy_bw / 1e12:.2f} TB/s; "
+          f"quantize kernel variant {res['variant']}")
     print(f"{'case':34s} {'ms':>7s} {'TB/s':>6s} {'%copy':>6s} {'XLA ms':>8s} {'vsXLA':>6s} {'2pass ms':>9s} {'fused x':>7s}")
     for r in rows:
         print(f"{r['name']:34s} {r['ms']:7.3f} {r['tbps']:6.2f} {100 * r['frac_copy']:5.1f}% "

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # On a GPU machine: build the extension with CUDA, then run the GPU tests or the benchmarks; logs and JSON go
 # to OUTDIR. Usage: scripts/gpu_check.sh tests|bench [OUTDIR]   (JAXHQ_CUDA_ARCHS=90a by default; 100a: Blackwell)
-#   tests: the kernel tests (-m gpu) and the dense-op and layer tests on the GPU backend, side by side
+#   tests: the kernel tests (-m gpu; the quantize tests once per kernel variant) and the dense-op and layer tests
+#          on the GPU backend, side by side
 #   recheck: only the tests selected by RECHECK (a pytest -k expression over the FFI and dense-op tests)
-#   bench: (RECHECK first when set) benchmarks/train_step.py (every recipe against bf16), then the GEMM and quantize benchmarks
+#   bench: (RECHECK first when set) benchmarks/train_step.py (every recipe against bf16), then the GEMM benchmark
+#          and the quantize benchmark once per variant of the quantize kernel (JAXHQ_QUANTIZE_VARIANT)
 set -uo pipefail
 MODE=${1:-tests}
 OUTDIR=${2:-${OUT:-/tmp/jaxhq_gpu}}
@@ -32,14 +34,19 @@ if [ "$MODE" = tests ]; then
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   T=${TEST_TIMEOUT:-330}
   log "tests, in parallel (timeout ${T}s each)"
-  timeout $T $PY -m pytest -q -m gpu tests/test_ffi_gpu.py --tb=short -p no:cacheprovider >"$OUTDIR/ffi_gpu.log" 2>&1 &
+  for v in alternating batched registers; do  # each variant of the quantize kernel (read once per process)
+    JAXHQ_QUANTIZE_VARIANT=$v timeout $T $PY -m pytest -q -m gpu tests/test_ffi_gpu.py --tb=short -p no:cacheprovider \
+      >"$OUTDIR/ffi_gpu_$v.log" 2>&1 &
+  done
   timeout $T $PY -m pytest -q -m gpu tests/test_gemm_gpu.py --tb=short -p no:cacheprovider >"$OUTDIR/gemm_gpu.log" 2>&1 &
-  timeout $T $PY -m pytest -q tests/test_dense.py tests/test_layers.py --tb=short -p no:cacheprovider \
+  timeout $T $PY -m pytest -q tests/test_dense.py tests/test_layers.py tests/test_layers_more.py --tb=short -p no:cacheprovider \
     >"$OUTDIR/dense_layers_on_gpu.log" 2>&1 &
   timeout $T $PY -m pytest -q tests/test_train_state.py tests/test_train_remat.py --tb=short -p no:cacheprovider \
     >"$OUTDIR/train_on_gpu.log" 2>&1 &
   wait
-  for f in ffi_gpu gemm_gpu dense_layers_on_gpu train_on_gpu; do log "$f"; summary "$OUTDIR/$f.log"; done
+  for f in ffi_gpu_alternating ffi_gpu_batched ffi_gpu_registers gemm_gpu dense_layers_on_gpu train_on_gpu; do
+    log "$f"; summary "$OUTDIR/$f.log"
+  done
   log "train_step smoke"
   timeout 90 $PY benchmarks/train_step.py --preset quick --steps 3 --warmup 1 --no-split \
     --recipes bf16,fp8_current,mxfp8,nvfp4 --out "$OUTDIR/train_step_smoke.json" 2>&1 | tail -8
@@ -56,5 +63,10 @@ else
     --out "$OUTDIR/train_step.json" 2>&1 | tee "$OUTDIR/train_step.log" | tail -14
   log "gemm"
   timeout 90 $PY benchmarks/gemm.py --out "$OUTDIR/gemm.json" 2>&1 | tail -14
+  for variant in alternating batched registers; do
+    log "quantize ($variant)"
+    JAXHQ_QUANTIZE_VARIANT=$variant timeout 120 $PY benchmarks/quantize.py --out "$OUTDIR/quantize_$variant.json" \
+      2>&1 | tail -18
+  done
 fi
 log "done"

@@ -31,7 +31,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CSRC = ROOT / "jaxhq" / "ffi" / "csrc"
 EMU = ROOT / "tests" / "cuda_emu"
 ORDERS = (0, 1, 7)  # forwards, backwards, shuffled
-VARIANTS = (0, 1)  # QuantizeVariant: alternating and batched tile loads
+VARIANTS = (0, 1, 2)  # QuantizeVariant: the tile kernel's two loads, the register-tile kernel
 DTYPES = {1: ml_dtypes.bfloat16, 0: np.float32, 2: np.float16}  # InDtype ids
 POISONS = (0xFF, 0x5A)
 
@@ -58,7 +58,7 @@ def emu(tmp_path_factory):
     flags = [cxx, "-std=c++17", "-O2", "-fPIC", f"-I{CSRC}", f"-I{EMU}", f"-I{inc}"]
     jobs = [flags + ["-w", "-include", str(EMU / "cuda_emu.h"), "-x", "c++", "-c", str(CSRC / f"{n}.cu"), "-o",
                      str(out / f"{n.replace('/', '_')}.o")]
-            for n in ("cuda_quantize", "cuda_amax", "cuda_dequantize", "gemm/gemm_kernels")]
+            for n in ("cuda_quantize", "cuda_quantize_regs", "cuda_amax", "cuda_dequantize", "gemm/gemm_kernels")]
     jobs += [flags + ["-c", str(CSRC / "cpu_quantize.cc"), "-o", str(out / "cpu_quantize.o")],
              flags + ["-c", str(EMU / "harness.cc"), "-o", str(out / "harness.o")]]
     procs = [subprocess.Popen(j, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for j in jobs]

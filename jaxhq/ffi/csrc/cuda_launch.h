@@ -8,9 +8,10 @@ namespace jaxhq {
 // Each returns an empty string on success, else the CUDA error text.
 std::string launch_amax(const void* x, int32_t dtype, int64_t batch, int64_t m, int64_t k, bool rht, float* amax,
                         float* amax_rht, void* stream);
-std::string launch_quantize(const QuantizeArgs& a, void* stream);  // the default variant (JAXHQ_TILE_LOAD)
-// Variants of the quantize kernel (same results): how a thread loads its part of the tile.
-enum QuantizeVariant : int { kAlternatingLoad = 0, kBatchedLoad = 1 };
+std::string launch_quantize(const QuantizeArgs& a, void* stream);  // the variant JAXHQ_QUANTIZE_VARIANT names
+// Variants of the quantize kernel (same results). The tile kernel with alternating or batched loads of its
+// shared-memory tile; the register-tile kernel (16-bit inputs without RHT; other calls take the tile kernel).
+enum QuantizeVariant : int { kAlternatingLoad = 0, kBatchedLoad = 1, kRegisterTile = 2 };
 std::string launch_quantize(const QuantizeArgs& a, void* stream, int variant);
 std::string launch_dequantize(const DequantizeArgs& a, void* stream);
 }  // namespace jaxhq

@@ -9,6 +9,7 @@
 // phase B: block amax from the chunk amaxes, scale, encode, store.
 #include "cuda_common.cuh"
 #include "cuda_launch.h"
+#include "cuda_quantize.cuh"
 
 #include <cstdlib>
 
@@ -25,22 +26,6 @@ struct Smem {
   T tile[kTile * kStride];
   float camax[2][kTile * kChunks];  // [side][copy_row * 8 + chunk]
   float tamax[2];
-};
-
-struct SideParams {
-  int32_t fmt, opts;
-  uint8_t* data;
-  uint8_t* scale;
-  int64_t R, C;        // the copy's shape
-  int64_t dbytes, sbytes;  // per batch element
-};
-
-struct Params {
-  const void* x;
-  int64_t m, k;
-  const float* scales;
-  const uint32_t* seed;
-  SideParams side[2];
 };
 
 // 8 consecutive elements of x (row r, columns c..c+7 of the tile) as raw bytes, zero outside x; one 16-byte
@@ -103,10 +88,6 @@ __device__ __forceinline__ void read_chunk(const T* tile, int s, int cr, int ch,
     v[e] = to_f32(s == 0 ? tile[cr * kStride + ch * 16 + e] : tile[(ch * 16 + e) * kStride + cr]);
   if (rht) rht16(v);
 }
-
-template <typename T> __device__ constexpr int dtype_id() { return kF32; }
-template <> __device__ constexpr int dtype_id<__nv_bfloat16>() { return kBF16; }
-template <> __device__ constexpr int dtype_id<__half>() { return kF16; }
 
 template <typename T, bool kBatched>
 __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
@@ -241,13 +222,15 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
   }
 }
 
-// JAXHQ_TILE_LOAD=batched selects the batched tile load (not yet measured on a GPU; see docs/ffi.md).
-bool batched_load() {
-  static const bool on = [] {
-    const char* v = std::getenv("JAXHQ_TILE_LOAD");
-    return v != nullptr && std::string(v) == "batched";
+// JAXHQ_QUANTIZE_VARIANT = alternating (default) | batched | registers: the variant the FFI handlers launch
+// (the same results; see docs/ffi.md).
+int default_variant() {
+  static const int v = [] {
+    const char* e = std::getenv("JAXHQ_QUANTIZE_VARIANT");
+    const std::string s = e ? e : "";
+    return s == "batched" ? kBatchedLoad : s == "registers" ? kRegisterTile : kAlternatingLoad;
   }();
-  return on;
+  return v;
 }
 
 template <typename T, bool kBatched>
@@ -266,25 +249,14 @@ std::string launch_t(const Params& p, int64_t batch, cudaStream_t s, int variant
 }  // namespace
 
 std::string launch_quantize(const QuantizeArgs& a, void* stream) {
-  return launch_quantize(a, stream, batched_load() ? kBatchedLoad : kAlternatingLoad);
+  return launch_quantize(a, stream, default_variant());
 }
 
 std::string launch_quantize(const QuantizeArgs& a, void* stream, int variant) {
   if (a.m * a.k * a.batch == 0) return std::string();
-  Params p;
-  p.x = a.x;
-  p.m = a.m;
-  p.k = a.k;
-  p.scales = a.scales;
-  p.seed = a.seed;
-  const CopySpec* cs[2] = {&a.row, &a.col};
-  for (int s = 0; s < 2; ++s) {
-    const int64_t R = s == 0 ? a.m : a.k, C = s == 0 ? a.k : a.m;
-    p.side[s] = SideParams{cs[s]->fmt, cs[s]->opts, static_cast<uint8_t*>(cs[s]->data),
-                           static_cast<uint8_t*>(cs[s]->scale), R, C, data_bytes(cs[s]->fmt, R, C),
-                           scale_bytes(cs[s]->fmt, R, C)};
-  }
+  const Params p = make_params(a);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (variant == kRegisterTile && register_tile_takes(a)) return launch_register_tile(p, a.dtype, a.batch, s);
   switch (a.dtype) {
     case kBF16: return launch_t<__nv_bfloat16>(p, a.batch, s, variant);
     case kF16: return launch_t<__half>(p, a.batch, s, variant);

@@ -1,0 +1,235 @@
+// The register-tile quantize kernel (QuantizeVariant kRegisterTile), for bf16/fp16 inputs and every format
+// but the RHT. A CTA of 256 threads covers a 128x128 tile of x. Each thread loads an 8x8 block of it with
+// eight 16-byte loads issued together and keeps it in registers: its rowwise copy is 8 rows of 8 values,
+// its columnwise copy the same registers read the other way. No element of x passes through shared memory.
+// Block amaxes start as per-thread partials: the integer max of the 16-bit |x| patterns, which orders as the
+// values do, with NaN patterns above inf. They meet in 17 KB of shared memory. Numerics: numerics.h, as the
+// tile kernel and the CPU handlers, bit for bit.
+//
+// Thread layout: warp w, lane l -> block row rg = 4 (w % 4) + l / 8, block column cg = 8 (w / 4) + l % 8.
+// Eight lanes read 128 contiguous bytes of a row; MXFP8 and NVFP4 blocks of either copy are 2 or 4 lanes of
+// one warp. Stores: a rowwise FP8 row of a warp is 64 contiguous bytes, a columnwise one 32.
+#include "cuda_common.cuh"
+#include "cuda_launch.h"
+#include "cuda_quantize.cuh"
+
+namespace jaxhq {
+namespace {
+
+constexpr int kTile = 128, kThreads = 256, kPart = 17;  // partial-amax row stride (odd: fewer bank conflicts)
+
+struct RegSmem {
+  uint32_t part[2][kTile * kPart];  // [side][copy row * kPart + 8-element group]: max |x| pattern
+  uint32_t full[2][kTile];          // [side][copy row]: over the tile's 128 columns (1x128 blocks)
+  uint32_t tile;                    // over the tile (128x128 blocks)
+};
+
+// The float value of 16 input bits (sign included).
+template <typename T> __device__ __forceinline__ float bits_to_f32(uint32_t h);
+template <> __device__ __forceinline__ float bits_to_f32<__nv_bfloat16>(uint32_t h) { return u2f(h << 16); }
+template <> __device__ __forceinline__ float bits_to_f32<__half>(uint32_t h) { return f16_bits_to_f32(uint16_t(h)); }
+
+__device__ __forceinline__ uint32_t half_of(uint32_t w, int i) { return i ? (w >> 16) : (w & 0xFFFFu); }
+__device__ __forceinline__ uint32_t maxu(uint32_t a, uint32_t b) { return a > b ? a : b; }
+__device__ __forceinline__ uint32_t max_halves(uint32_t w) { return maxu(w & 0xFFFFu, w >> 16); }
+// Per-halfword max of two packed |x| patterns.
+__device__ __forceinline__ uint32_t vmax2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __vmaxu2(a, b);
+#else
+  return maxu(a & 0xFFFFu, b & 0xFFFFu) | (maxu(a >> 16, b >> 16) << 16);
+#endif
+}
+
+// The 8x8 block of x at tile rows 8 rg.., columns 8 cg.. as 8 rows of 4 packed words, zero outside x.
+template <typename T>
+__device__ __forceinline__ void load_block(const T* __restrict__ x, int64_t m, int64_t k, int64_t r, int64_t c,
+                                           bool vec, uint32_t (&w)[8][4]) {
+  if (vec) {
+    uint4 q[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) q[j] = __ldg(reinterpret_cast<const uint4*>(x + (r + j) * k + c));
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      w[j][0] = q[j].x;
+      w[j][1] = q[j].y;
+      w[j][2] = q[j].z;
+      w[j][3] = q[j].w;
+    }
+    return;
+  }
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x);
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t rr = r + j, c0 = c + 2 * i;
+      const uint32_t lo = (rr < m && c0 < k) ? xs[rr * k + c0] : 0u;
+      const uint32_t hi = (rr < m && c0 + 1 < k) ? xs[rr * k + c0 + 1] : 0u;
+      w[j][i] = lo | (hi << 16);
+    }
+}
+
+// Element e (0..7) of copy row t (0..7) of this thread's block: side 0 reads row t, side 1 column t.
+__device__ __forceinline__ uint32_t element(const uint32_t (&w)[8][4], int s, int t, int e) {
+  return s == 0 ? half_of(w[t][e / 2], e % 2) : half_of(w[e][t / 2], t % 2);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) quantize_regs_kernel(Params p) {
+  RegSmem& sm = *dynamic_smem<RegSmem>();
+  const int64_t b = blockIdx.z;
+  const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int rg = 4 * (warp & 3) + (lane >> 3), cg = 8 * (warp >> 2) + (lane & 7);
+  const T* x = static_cast<const T*>(p.x) + b * p.m * p.k;
+  const bool vec = r0 + kTile <= p.m && c0 + kTile <= p.k && p.k % 8 == 0;  // the same for the whole CTA
+
+  uint32_t w[8][4];
+  load_block<T>(x, p.m, p.k, r0 + 8 * rg, c0 + 8 * cg, vec, w);
+
+  // Per-thread partials: max |x| of each of its 8 rows (over 8 columns) and 8 columns (over 8 rows).
+  uint32_t colw[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    uint32_t rw = 0u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t a = w[j][i] & 0x7FFF7FFFu;
+      rw = vmax2(rw, a);
+      colw[i] = vmax2(colw[i], a);
+    }
+    sm.part[0][(8 * rg + j) * kPart + cg] = max_halves(rw);
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) sm.part[1][(8 * cg + i) * kPart + rg] = half_of(colw[i / 2], i % 2);
+  if (threadIdx.x == 0) sm.tile = 0u;
+  __syncthreads();
+
+  // 1x128 and 128x128 blocks need the whole tile row / the whole tile.
+  const int f0 = p.side[0].fmt, f1 = p.side[1].fmt;
+  if (f0 == kFp8Block1 || f1 == kFp8Block1 || f0 == kFp8Block2 || f1 == kFp8Block2) {
+    const int s = threadIdx.x / kTile, cr = threadIdx.x % kTile;
+    uint32_t a = 0u;
+    for (int g = 0; g < 16; ++g) a = maxu(a, sm.part[s][cr * kPart + g]);
+    sm.full[s][cr] = a;
+    if (s == 0) atomicMax(&sm.tile, a);
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const SideParams& sp = p.side[s];
+    if (sp.fmt == kNone) continue;
+    const int64_t R = sp.R, C = sp.C;
+    const int cr0 = s == 0 ? 8 * rg : 8 * cg;  // this thread's first copy row in the tile
+    const int grp = s == 0 ? cg : rg;          // its 8-element group along the copy row
+    const int64_t tr0 = s == 0 ? r0 : c0, tc0 = s == 0 ? c0 : r0;  // the tile's origin in the copy
+    const int64_t gc = tc0 + 8 * grp;
+    uint8_t* data = sp.data + b * sp.dbytes;
+    uint8_t* scale = sp.scale + b * sp.sbytes;
+    const bool e5 = sp.opts & kE5M2;
+    const float tscale = p.scales[2 * b + s];
+    const uint32_t* part = sm.part[s];
+    uint32_t a2d = 0u;  // NVFP4 16x16: the block spans this thread's 8 rows and the neighbour's
+    if (sp.fmt == kNvfp4 && (sp.opts & kBlock2D)) {
+      const int rb = cr0 & ~15, gb = grp & ~1;
+      for (int i = 0; i < 16; ++i) a2d = maxu(a2d, maxu(part[(rb + i) * kPart + gb], part[(rb + i) * kPart + gb + 1]));
+    }
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      const int cr = cr0 + t;
+      const int64_t gr = tr0 + cr;
+      if (gr >= R || gc >= C) continue;
+      float v[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = bits_to_f32<T>(element(w, s, t, e));
+      if (sp.fmt == kNvfp4) {
+        const uint32_t ap = (sp.opts & kBlock2D) ? a2d : maxu(part[cr * kPart + (grp & ~1)],
+                                                              part[cr * kPart + (grp | 1)]);
+        const float dec = nvfp4_decode_value(bits_to_f32<T>(ap), tscale);
+        if ((grp & 1) == 0) scale[gr * ((C + 15) / 16) + gc / 16] = fp8_encode_sw(dec, false);
+        const float enc = nvfp4_encode_mult(dec, tscale);
+        const bool sr = sp.opts & kStochastic;
+        const uint32_t* sd = p.seed + kSeedWords * b;
+        const SrIndex si = sr_index(sd, s);
+        uint8_t out[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          uint8_t code[2];
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float q = nclip(v[2 * i + j] * enc, -6.0f, 6.0f);
+            const int64_t c = gc + 2 * i + j;
+            code[j] = sr ? e2m1_code_sr(q, sr_uniform(sd[0], sd[1], uint32_t(s),
+                                                      (uint64_t(gr) + si.roff) * si.cols + uint64_t(c) + si.coff))
+                         : e2m1_code(q);
+            if (c >= C) code[j] = 0;
+          }
+          out[i] = uint8_t(code[0] | (code[1] << 4));
+        }
+        const int64_t pc = (C + 1) / 2;
+        uint8_t* dst = data + gr * pc + gc / 2;
+        if (gc + 8 <= C && C % 8 == 0) {
+          uint32_t packed;
+          memcpy(&packed, out, 4);
+          *reinterpret_cast<uint32_t*>(dst) = packed;
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            if (gc + 2 * i < C) dst[i] = out[i];
+        }
+        continue;
+      }
+      float mult;
+      if (sp.fmt == kFp8Tensor) {
+        mult = tscale;
+      } else if (sp.fmt == kMxfp8) {
+        const int g4 = grp & ~3;
+        uint32_t ap = 0u;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ap = maxu(ap, part[cr * kPart + g4 + i]);
+        const uint8_t e = e8m0_round_up(round_to_dtype_sw(mx_q(bits_to_f32<T>(ap), e5), dtype_id<T>()));
+        mult = e8m0_reciprocal(e);
+        if ((grp & 3) == 0) scale[gr * ((C + 31) / 32) + gc / 32] = e;
+      } else {
+        const uint32_t ap = sp.fmt == kFp8Block1 ? sm.full[s][cr] : sm.tile;
+        mult = block_scale(bits_to_f32<T>(ap), sp.opts & kPow2);
+        float* fs = reinterpret_cast<float*>(scale);
+        const int64_t nb = (C + 127) / 128;
+        if (sp.fmt == kFp8Block1 && grp == 0) fs[gr * nb + tc0 / 128] = div_ref(1.0f, mult);
+        if (sp.fmt == kFp8Block2 && grp == 0 && cr == 0) fs[(tr0 / 128) * nb + tc0 / 128] = div_ref(1.0f, mult);
+      }
+      alignas(8) uint16_t out[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) out[i] = fp8x2(v[2 * i] * mult, v[2 * i + 1] * mult, e5);
+      uint8_t* dst = data + gr * C + gc;
+      if (gc + 8 <= C && C % 8 == 0) {
+        *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(out);
+      } else {
+        const uint8_t* o = reinterpret_cast<const uint8_t*>(out);
+        for (int i = 0; i < 8 && gc + i < C; ++i) dst[i] = o[i];
+      }
+    }
+  }
+}
+
+template <typename T>
+std::string launch_t(const Params& p, int64_t batch, cudaStream_t s) {
+  dim3 grid(unsigned((p.k + kTile - 1) / kTile), unsigned((p.m + kTile - 1) / kTile), unsigned(batch));
+  launch_kernel(quantize_regs_kernel<T>, grid, dim3(kThreads), sizeof(RegSmem), s, p);
+  return cuda_status();
+}
+
+}  // namespace
+
+bool register_tile_takes(const QuantizeArgs& a) {
+  const bool rht = (a.row.fmt == kNvfp4 && (a.row.opts & kRHT)) || (a.col.fmt == kNvfp4 && (a.col.opts & kRHT));
+  return (a.dtype == kBF16 || a.dtype == kF16) && !rht;
+}
+
+std::string launch_register_tile(const Params& p, int32_t dtype, int64_t batch, cudaStream_t s) {
+  return dtype == kBF16 ? launch_t<__nv_bfloat16>(p, batch, s) : launch_t<__half>(p, batch, s);
+}
+
+}  // namespace jaxhq
