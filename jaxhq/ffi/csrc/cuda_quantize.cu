@@ -154,34 +154,11 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
         }
         const float dec = nvfp4_decode_value(a, tscale);
         scale[gr * ((C + 15) / 16) + gc / 16] = fp8_encode_sw(dec, false);
-        const float enc = nvfp4_encode_mult(dec, tscale);
-        const bool sr = sp.opts & kStochastic;
-        const uint32_t* sd = p.seed + kSeedWords * b;
-        const uint32_t s0 = sd[0], s1 = sd[1];
-        const SrIndex si = sr_index(sd, s);
         uint8_t out[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          uint8_t code[2];
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const float t = nclip(v[2 * i + j] * enc, -6.0f, 6.0f);
-            const int64_t c = gc + 2 * i + j;
-            code[j] = sr ? e2m1_code_sr(t, sr_uniform(s0, s1, uint32_t(s), (uint64_t(gr) + si.roff) * si.cols + uint64_t(c) + si.coff))
-                         : e2m1_code(t);
-            if (c >= C) code[j] = 0;
-          }
-          out[i] = uint8_t(code[0] | (code[1] << 4));
-        }
+        nvfp4_codes(v, nvfp4_encode_mult(dec, tscale), sp.opts & kStochastic, p.seed + kSeedWords * b, s, gr, gc, C,
+                    out);
         const int64_t pc = (C + 1) / 2;
-        uint8_t* dst = data + gr * pc + gc / 2;
-        if (gc + 16 <= C && pc % 8 == 0) {
-          *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(out);
-        } else {
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-            if (gc + 2 * i < C) dst[i] = out[i];
-        }
+        store_bytes(data + gr * pc + gc / 2, out, (C - gc + 1) / 2, pc % 8 == 0);
         continue;
       }
       float mult;
@@ -208,16 +185,13 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
         if (sp.fmt == kFp8Block1 && ch == 0) fs[gr * nb + cc0 / 128] = div_ref(1.0f, mult);
         if (sp.fmt == kFp8Block2 && ch == 0 && cr == 0) fs[(cr0 / 128) * nb + cc0 / 128] = div_ref(1.0f, mult);
       }
-      alignas(16) uint16_t out[8];
+      uint8_t out[16];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) out[i] = fp8x2(v[2 * i] * mult, v[2 * i + 1] * mult, e5);
-      uint8_t* dst = data + gr * C + gc;
-      if (gc + 16 <= C && C % 16 == 0) {
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(out);
-      } else {
-        const uint8_t* o = reinterpret_cast<const uint8_t*>(out);
-        for (int i = 0; i < 16 && gc + i < C; ++i) dst[i] = o[i];
+      for (int i = 0; i < 8; ++i) {
+        const uint16_t pair = fp8x2(v[2 * i] * mult, v[2 * i + 1] * mult, e5);
+        memcpy(out + 2 * i, &pair, 2);
       }
+      store_bytes(data + gr * C + gc, out, C - gc, C % 16 == 0);
     }
   }
 }

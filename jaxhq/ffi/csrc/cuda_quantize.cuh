@@ -2,6 +2,7 @@
 // register-tile kernel) take: both copies' formats, outputs and shapes, and the per-batch scalars.
 #pragma once
 #include <string>
+#include <type_traits>
 
 #include "cuda_common.cuh"
 #include "spec.h"
@@ -44,6 +45,43 @@ inline Params make_params(const QuantizeArgs& a) {
 template <typename T> __device__ constexpr int dtype_id() { return kF32; }
 template <> __device__ constexpr int dtype_id<__nv_bfloat16>() { return kBF16; }
 template <> __device__ constexpr int dtype_id<__half>() { return kF16; }
+
+// The E2M1 codes of N values (N even) of copy row gr from column gc, two per byte (the even column in the low
+// nibble; columns at or past C encode 0): v * enc clipped to +-6, rounded to nearest even or, with `sr`,
+// stochastically by global position (the seed words of spec.h).
+template <int N>
+__device__ __forceinline__ void nvfp4_codes(const float (&v)[N], float enc, bool sr, const uint32_t* seed, int side,
+                                            int64_t gr, int64_t gc, int64_t C, uint8_t (&out)[N / 2]) {
+  const SrIndex si = sr_index(seed, side);
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    uint8_t code[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float q = nclip(v[2 * i + j] * enc, -6.0f, 6.0f);
+      const int64_t c = gc + 2 * i + j;
+      code[j] = sr ? e2m1_code_sr(q, sr_uniform(seed[0], seed[1], uint32_t(side),
+                                                (uint64_t(gr) + si.roff) * si.cols + uint64_t(c) + si.coff))
+                   : e2m1_code(q);
+      if (c >= C) code[j] = 0;
+    }
+    out[i] = uint8_t(code[0] | (code[1] << 4));
+  }
+}
+
+// N (4, 8 or 16) output bytes at dst: one vector store when all N lie in the row and `aligned`, else the
+// first `valid` of them byte by byte.
+template <int N>
+__device__ __forceinline__ void store_bytes(uint8_t* dst, const uint8_t (&out)[N], int64_t valid, bool aligned) {
+  using V = typename std::conditional<N == 16, uint4, typename std::conditional<N == 8, uint2, uint32_t>::type>::type;
+  if (valid >= N && aligned) {
+    V vec;
+    memcpy(&vec, out, N);
+    *reinterpret_cast<V*>(dst) = vec;
+  } else {
+    for (int i = 0; i < N && i < valid; ++i) dst[i] = out[i];
+  }
+}
 
 // The register-tile kernel (cuda_quantize_regs.cu): 16-bit inputs, no RHT.
 bool register_tile_takes(const QuantizeArgs& a);
