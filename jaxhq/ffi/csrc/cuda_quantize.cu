@@ -127,71 +127,34 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
   }
   __syncthreads();
 
-  // Phase B: scales, encode, store.
+  // Phase B: each chunk's block amax, then encode and store.
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
     const SideParams& sp = p.side[s];
     if (sp.fmt == kNone) continue;
-    const int64_t R = sp.R, C = sp.C;
     const int64_t cr0 = s == 0 ? r0 : c0, cc0 = s == 0 ? c0 : r0;  // this tile's origin in the copy
-    uint8_t* data = sp.data + b * sp.dbytes;
-    uint8_t* scale = sp.scale + b * sp.sbytes;
-    const bool e5 = sp.opts & kE5M2;
-    const float tscale = p.scales[2 * b + s];
     for (int it = 0; it < kTile * kChunks / kThreads; ++it) {
       const int id = it * kThreads + threadIdx.x, cr = id % kTile, ch = id / kTile;
       const int64_t gr = cr0 + cr, gc = cc0 + ch * 16;
-      if (gr >= R || gc >= C) continue;
+      if (gr >= sp.R || gc >= sp.C) continue;
       float v[16];
       read_chunk(sm.tile, s, cr, ch, sp.fmt == kNvfp4 && (sp.opts & kRHT), v);
-      if (sp.fmt == kNvfp4) {
-        float a = sm.camax[s][cr * kChunks + ch];
-        if (sp.opts & kBlock2D) {
-          const int base = cr & ~15;
-          a = 0.0f;
+      const float* ca = sm.camax[s];
+      float a = ca[cr * kChunks + ch];  // NVFP4 1x16
+      if (sp.fmt == kNvfp4 && (sp.opts & kBlock2D)) {
+        a = 0.0f;
 #pragma unroll
-          for (int i = 0; i < 16; ++i) a = nmax(a, sm.camax[s][(base + i) * kChunks + ch]);
-        }
-        const float dec = nvfp4_decode_value(a, tscale);
-        scale[gr * ((C + 15) / 16) + gc / 16] = fp8_encode_sw(dec, false);
-        uint8_t out[8];
-        nvfp4_codes(v, nvfp4_encode_mult(dec, tscale), sp.opts & kStochastic, p.seed + kSeedWords * b, s, gr, gc, C,
-                    out);
-        const int64_t pc = (C + 1) / 2;
-        store_bytes(data + gr * pc + gc / 2, out, (C - gc + 1) / 2, pc % 8 == 0);
-        continue;
-      }
-      float mult;
-      if (sp.fmt == kFp8Tensor) {
-        mult = tscale;
+        for (int i = 0; i < 16; ++i) a = nmax(a, ca[((cr & ~15) + i) * kChunks + ch]);
       } else if (sp.fmt == kMxfp8) {
-        const int c2 = ch & ~1;
-        const float a = nmax(sm.camax[s][cr * kChunks + c2], sm.camax[s][cr * kChunks + c2 + 1]);
-        const uint8_t e = e8m0_round_up(round_to_dtype_sw(mx_q(a, e5), dtype_id<T>()));
-        mult = e8m0_reciprocal(e);
-        if ((ch & 1) == 0) scale[gr * ((C + 31) / 32) + gc / 32] = e;
-      } else {
-        float a;
-        if (sp.fmt == kFp8Block1) {
-          a = 0.0f;
+        a = nmax(ca[cr * kChunks + (ch & ~1)], ca[cr * kChunks + (ch | 1)]);
+      } else if (sp.fmt == kFp8Block1) {
+        a = 0.0f;
 #pragma unroll
-          for (int i = 0; i < kChunks; ++i) a = nmax(a, sm.camax[s][cr * kChunks + i]);
-        } else {
-          a = sm.tamax[s];
-        }
-        mult = block_scale(a, sp.opts & kPow2);
-        float* fs = reinterpret_cast<float*>(scale);
-        const int64_t nb = (C + 127) / 128;
-        if (sp.fmt == kFp8Block1 && ch == 0) fs[gr * nb + cc0 / 128] = div_ref(1.0f, mult);
-        if (sp.fmt == kFp8Block2 && ch == 0 && cr == 0) fs[(cr0 / 128) * nb + cc0 / 128] = div_ref(1.0f, mult);
+        for (int i = 0; i < kChunks; ++i) a = nmax(a, ca[cr * kChunks + i]);
+      } else if (sp.fmt == kFp8Block2) {
+        a = sm.tamax[s];
       }
-      uint8_t out[16];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const uint16_t pair = fp8x2(v[2 * i] * mult, v[2 * i + 1] * mult, e5);
-        memcpy(out + 2 * i, &pair, 2);
-      }
-      store_bytes(data + gr * C + gc, out, C - gc, C % 16 == 0);
+      encode_chunk<16, T>(p, s, b, gr, gc, a, v);
     }
   }
 }

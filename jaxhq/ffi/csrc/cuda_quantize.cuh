@@ -83,6 +83,50 @@ __device__ __forceinline__ void store_bytes(uint8_t* dst, const uint8_t (&out)[N
   }
 }
 
+// Side s's copy: N values (16 or 8) of copy row gr from column gc, their block's amax given (block formats),
+// encoded and stored; the chunk that starts a block also writes the block's scale. Both kernels call this,
+// so the numerics (numerics.h, as the CPU handlers) and the layouts are written once.
+template <int N, typename T>
+__device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, int64_t gr, int64_t gc, float amax,
+                                             const float (&v)[N]) {
+  const SideParams& sp = p.side[s];
+  const int64_t C = sp.C;
+  uint8_t* data = sp.data + b * sp.dbytes;
+  uint8_t* scale = sp.scale + b * sp.sbytes;
+  const float tscale = p.scales[2 * b + s];
+  if (sp.fmt == kNvfp4) {
+    const float dec = nvfp4_decode_value(amax, tscale);
+    if (gc % 16 == 0) scale[gr * ((C + 15) / 16) + gc / 16] = fp8_encode_sw(dec, false);
+    uint8_t out[N / 2];
+    nvfp4_codes(v, nvfp4_encode_mult(dec, tscale), sp.opts & kStochastic, p.seed + kSeedWords * b, s, gr, gc, C,
+                out);
+    const int64_t pc = (C + 1) / 2;
+    store_bytes(data + gr * pc + gc / 2, out, (C - gc + 1) / 2, pc % (N / 2) == 0);
+    return;
+  }
+  const bool e5 = sp.opts & kE5M2;
+  float mult;
+  if (sp.fmt == kFp8Tensor) {
+    mult = tscale;
+  } else if (sp.fmt == kMxfp8) {
+    const uint8_t e = e8m0_round_up(round_to_dtype_sw(mx_q(amax, e5), dtype_id<T>()));
+    mult = e8m0_reciprocal(e);
+    if (gc % 32 == 0) scale[gr * ((C + 31) / 32) + gc / 32] = e;
+  } else {  // FP8 blockwise: 1x128 (a scale per row and 128 columns) or 128x128
+    mult = block_scale(amax, sp.opts & kPow2);
+    const int64_t nb = (C + 127) / 128;
+    if (gc % 128 == 0 && (sp.fmt == kFp8Block1 || gr % 128 == 0))
+      reinterpret_cast<float*>(scale)[(sp.fmt == kFp8Block1 ? gr : gr / 128) * nb + gc / 128] = div_ref(1.0f, mult);
+  }
+  uint8_t out[N];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    const uint16_t pair = fp8x2(v[2 * i] * mult, v[2 * i + 1] * mult, e5);
+    memcpy(out + 2 * i, &pair, 2);
+  }
+  store_bytes(data + gr * C + gc, out, C - gc, C % N == 0);
+}
+
 // The register-tile kernel (cuda_quantize_regs.cu): 16-bit inputs, no RHT.
 bool register_tile_takes(const QuantizeArgs& a);
 std::string launch_register_tile(const Params& p, int32_t dtype, int64_t batch, cudaStream_t s);

@@ -121,17 +121,11 @@ __global__ void __launch_bounds__(kThreads) quantize_regs_kernel(Params p) {
   for (int s = 0; s < 2; ++s) {
     const SideParams& sp = p.side[s];
     if (sp.fmt == kNone) continue;
-    const int64_t R = sp.R, C = sp.C;
     const int cr0 = s == 0 ? 8 * rg : 8 * cg;  // this thread's first copy row in the tile
     const int grp = s == 0 ? cg : rg;          // its 8-element group along the copy row
-    const int64_t tr0 = s == 0 ? r0 : c0, tc0 = s == 0 ? c0 : r0;  // the tile's origin in the copy
-    const int64_t gc = tc0 + 8 * grp;
-    uint8_t* data = sp.data + b * sp.dbytes;
-    uint8_t* scale = sp.scale + b * sp.sbytes;
-    const bool e5 = sp.opts & kE5M2;
-    const float tscale = p.scales[2 * b + s];
+    const int64_t tr0 = s == 0 ? r0 : c0, gc = (s == 0 ? c0 : r0) + 8 * grp;  // in the copy
     const uint32_t* part = sm.part[s];
-    uint32_t a2d = 0u;  // NVFP4 16x16: the block spans this thread's 8 rows and the neighbour's
+    uint32_t a2d = 0u;  // NVFP4 16x16: the block spans this thread's 8 rows and its neighbours'
     if (sp.fmt == kNvfp4 && (sp.opts & kBlock2D)) {
       const int rb = cr0 & ~15, gb = grp & ~1;
       for (int i = 0; i < 16; ++i) a2d = maxu(a2d, maxu(part[(rb + i) * kPart + gb], part[(rb + i) * kPart + gb + 1]));
@@ -140,48 +134,22 @@ __global__ void __launch_bounds__(kThreads) quantize_regs_kernel(Params p) {
     for (int t = 0; t < 8; ++t) {
       const int cr = cr0 + t;
       const int64_t gr = tr0 + cr;
-      if (gr >= R || gc >= C) continue;
+      if (gr >= sp.R || gc >= sp.C) continue;
       float v[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) v[e] = bits_to_f32<T>(element(w, s, t, e));
+      uint32_t a = 0u;  // the block's max |x| pattern
       if (sp.fmt == kNvfp4) {
-        const uint32_t ap = (sp.opts & kBlock2D) ? a2d : maxu(part[cr * kPart + (grp & ~1)],
-                                                              part[cr * kPart + (grp | 1)]);
-        const float dec = nvfp4_decode_value(bits_to_f32<T>(ap), tscale);
-        if ((grp & 1) == 0) scale[gr * ((C + 15) / 16) + gc / 16] = fp8_encode_sw(dec, false);
-        uint8_t out[4];
-        nvfp4_codes(v, nvfp4_encode_mult(dec, tscale), sp.opts & kStochastic, p.seed + kSeedWords * b, s, gr, gc, C,
-                    out);
-        const int64_t pc = (C + 1) / 2;
-        store_bytes(data + gr * pc + gc / 2, out, (C - gc + 1) / 2, pc % 4 == 0);
-        continue;
-      }
-      float mult;
-      if (sp.fmt == kFp8Tensor) {
-        mult = tscale;
+        a = (sp.opts & kBlock2D) ? a2d : maxu(part[cr * kPart + (grp & ~1)], part[cr * kPart + (grp | 1)]);
       } else if (sp.fmt == kMxfp8) {
-        const int g4 = grp & ~3;
-        uint32_t ap = 0u;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) ap = maxu(ap, part[cr * kPart + g4 + i]);
-        const uint8_t e = e8m0_round_up(round_to_dtype_sw(mx_q(bits_to_f32<T>(ap), e5), dtype_id<T>()));
-        mult = e8m0_reciprocal(e);
-        if ((grp & 3) == 0) scale[gr * ((C + 31) / 32) + gc / 32] = e;
-      } else {
-        const uint32_t ap = sp.fmt == kFp8Block1 ? sm.full[s][cr] : sm.tile;
-        mult = block_scale(bits_to_f32<T>(ap), sp.opts & kPow2);
-        float* fs = reinterpret_cast<float*>(scale);
-        const int64_t nb = (C + 127) / 128;
-        if (sp.fmt == kFp8Block1 && grp == 0) fs[gr * nb + tc0 / 128] = div_ref(1.0f, mult);
-        if (sp.fmt == kFp8Block2 && grp == 0 && cr == 0) fs[(tr0 / 128) * nb + tc0 / 128] = div_ref(1.0f, mult);
+        for (int i = 0; i < 4; ++i) a = maxu(a, part[cr * kPart + (grp & ~3) + i]);
+      } else if (sp.fmt == kFp8Block1) {
+        a = sm.full[s][cr];
+      } else if (sp.fmt == kFp8Block2) {
+        a = sm.tile;
       }
-      uint8_t out[8];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint16_t pair = fp8x2(v[2 * i] * mult, v[2 * i + 1] * mult, e5);
-        memcpy(out + 2 * i, &pair, 2);
-      }
-      store_bytes(data + gr * C + gc, out, C - gc, C % 8 == 0);
+      encode_chunk<8, T>(p, s, b, gr, gc, bits_to_f32<T>(a), v);
     }
   }
 }
