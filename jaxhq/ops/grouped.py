@@ -11,6 +11,7 @@ reference; grouped GPU kernels plug in behind the same contract.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Sequence
 
 import jax
@@ -31,8 +32,9 @@ def grouped_dense(x, kernels, group_sizes, *, quantizers: Sequence[DenseQuantize
     """y[t] = x[t] @ kernels[g(t)] (+ biases[g(t)]) for x [T, K] sorted by group, kernels [G, K, N] (or a list
     of G kernels), group_sizes [G] summing to at most T (rows past the last group give zeros).
 
-    expert_sharding: a jaxhq.sharding.ExpertSharding (or None) for kernels split on an expert mesh axis; it
-    needs one stacked kernel array and the same quantizers for every group.
+    expert_sharding: a jaxhq.sharding.ExpertSharding (or None) for kernels split on an expert mesh axis; the
+    experts are split when the kernels are one stacked array and every group has the same quantizers (else
+    they run one by one, with a warning).
     """
     num = len(kernels)
     if len(quantizers) != num:
@@ -54,13 +56,13 @@ def grouped_dense(x, kernels, group_sizes, *, quantizers: Sequence[DenseQuantize
 
     shared = _shared(quantizers) if not isinstance(kernels, (list, tuple)) else None
     if expert_sharding is not None:
+        expert_sharding.check(num)
         if shared is None:
             who = quantizers[0].role("weight") if quantizers[0].roles else "grouped dense"
-            raise ValueError(f"{who}: expert parallelism runs every expert with one set of quantizers, but the "
-                             "recipe gives these experts different ones (or the kernels are not one stacked "
-                             "array); give the experts of one layer the same formats, or leave the expert dim "
-                             "unsharded")
-        expert_sharding.check(num)
+            warnings.warn(f"{who}: the experts have different quantizers (or the kernels are not one stacked "
+                          "array), so they run one by one and XLA moves each expert's kernel, unquantized, to "
+                          "every device; give the experts of one layer the same formats for expert parallelism",
+                          stacklevel=2)
     if shared is None:
         y = None
         for g in range(num):
