@@ -1,6 +1,7 @@
 """Sharded quantize through custom_partitioning: on a 2x2 CPU mesh each shard is quantized in place (no
 all-gather in the compiled program), outputs keep x's sharding (columnwise copies transposed) and equal the
-unsharded call bit for bit, also where a sharding would split blocks (that axis is gathered). Runs in a subprocess
+unsharded call bit for bit, also where a sharding would split blocks (that axis is gathered) and where one
+shard holds a NaN (the per-tensor amax is NaN everywhere). Runs in a subprocess
 so that it can ask for 4 CPU devices."""
 from __future__ import annotations
 
@@ -53,6 +54,14 @@ SCRIPT = textwrap.dedent('''
         xs = jax.device_put(x, jax.NamedSharding(mesh, spec))
         got = jax.jit(lambda x: quantize_copies(x, q, platform="cpu"))(xs)
         assert compare(got, quantize_copies(x, q, platform="cpu"), q.label) == [], (shape, q.label)
+    # a NaN on one shard: the per-tensor amax (FP8 current scaling, NVFP4's global) is NaN on every device, as
+    # unsharded (the mesh max drops NaNs unless it reduces a NaN flag apart)
+    x = random_input(jax.random.key(5), (256, 512), jnp.float32).at[200, 400].set(jnp.nan)
+    xs = jax.device_put(x, jax.NamedSharding(mesh, jax.P("a", "b")))
+    for q in (SINGLE[0], NVFP4()):
+        got = jax.jit(lambda x: quantize_copies(x, q, platform="cpu"))(xs)
+        assert all(np.isnan(np.asarray(s.amax)) for s in got.values()), q.label
+        assert compare(got, quantize_copies(x, q, platform="cpu"), q.label) == [], q.label
     print("OK")
 ''')
 

@@ -19,6 +19,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
+from ..sharding.amax import pmax_nan
 from . import primitives as P
 
 # Block extent of a copy's format along (its rows, its columns); NVFP4 2D tiles and 128x128 tiles span rows.
@@ -216,9 +217,7 @@ def _amax_fn(shape, rht: bool, nbatch: int):
 
         def lower(x):
             a, r = P.amax(x, rht)
-            if axes:
-                a, r = jax.lax.pmax(a, axes), jax.lax.pmax(r, axes)
-            return a, r
+            return pmax_nan(a, axes), pmax_nan(r, axes)
         out = NamedSharding(mesh, PS(*lead))
         return mesh, lower, (out, out), (NamedSharding(mesh, PS(*lead, m_axes, k_axes)),)
 

@@ -15,15 +15,20 @@ import jax.numpy as jnp
 from ..formats.base import abs_max
 
 
-def global_amax(x, axis_names: Union[str, Sequence[str]] = ()):
-    """max |x| (float32) over x and, inside shard_map, over the mesh axes `axis_names` x is split on.
-
-    NaN anywhere gives NaN everywhere (a max all-reduce may drop NaNs, so the NaN flag is reduced apart).
-    """
+def pmax_nan(a, axis_names: Union[str, Sequence[str]]):
+    """`jax.lax.pmax` of non-negative amaxes that is NaN when any device's is NaN: a max all-reduce drops NaNs
+    (the CPU backend's does), so the NaN flag is reduced apart."""
     names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
-    a = abs_max(x).astype(jnp.float32)
     if not names:
         return a
     has_nan = jax.lax.pmax(jnp.isnan(a).astype(jnp.int32), names)
-    m = jax.lax.pmax(jnp.where(jnp.isnan(a), jnp.float32(0), a), names)
-    return jnp.where(has_nan > 0, jnp.float32(jnp.nan), m)
+    m = jax.lax.pmax(jnp.where(jnp.isnan(a), jnp.zeros_like(a), a), names)
+    return jnp.where(has_nan > 0, jnp.full_like(a, jnp.nan), m)
+
+
+def global_amax(x, axis_names: Union[str, Sequence[str]] = ()):
+    """max |x| (float32) over x and, inside shard_map, over the mesh axes `axis_names` x is split on.
+
+    NaN anywhere gives NaN everywhere (see `pmax_nan`).
+    """
+    return pmax_nan(abs_max(x).astype(jnp.float32), axis_names)
