@@ -1,8 +1,8 @@
 """The CUDA kernels' sources run on the CPU emulator (tests/cuda_emu): quantize (every kernel variant), amax
 and dequantize, bit-equal to the CPU handlers' implementation (which test_ffi_cpu.py holds bit-equal to the
-jnp reference), and the GEMMs' bf16 dequantization of MXFP8/NVFP4 operands against ml_dtypes decodes, on fresh random data with outputs poisoned twice (two byte values, so every byte is proven
-written), the block's threads scheduled forwards, backwards and shuffled (a missing barrier or a race reads
-poison). No GPU needed: this checks the kernels' indexing, shared-memory use, barriers and shuffles in CI;
+jnp reference), and the GEMMs' bf16 dequantization of MXFP8/NVFP4 operands against ml_dtypes decodes. Fresh
+random data; outputs poisoned twice (two byte values, so every byte is proven written); the block's threads
+scheduled forwards, backwards and shuffled (a missing barrier or a race reads poison). No GPU needed: this checks the kernels' indexing, shared-memory use, barriers and shuffles in CI;
 test_ffi_gpu.py checks the same sources compiled by nvcc on a GPU.
 """
 from __future__ import annotations

@@ -26,6 +26,7 @@ from .dense import default_kernel_init
 from .mlp import activate, is_gated
 from .state import QUANT_STATE, SLOTS
 
+
 def _expert_sharding(kernel_axes, path):
     """The expert-parallel layout of the stacked kernel on the current mesh (None: experts not split)."""
     from ..sharding import expert_sharding

@@ -7,6 +7,7 @@ from .mesh import AXES, make_mesh
 from .rules import (DEFAULT_RULES, axis_rules, constrain, current_mesh, current_rules, logical_specs, mesh_axes,
                     named_sharding, shard_state, state_shardings)
 
-__all__ = ["AXES", "DEFAULT_RULES", "ExpertSharding", "ShardingError", "WeightSharding", "axis_rules", "block_shape",
-           "constrain", "current_mesh", "current_rules", "expert_sharding", "global_amax", "logical_specs",
-           "make_mesh", "mesh_axes", "named_sharding", "shard_state", "state_shardings", "weight_sharding"]
+__all__ = ["AXES", "DEFAULT_RULES", "ExpertSharding", "ShardingError", "WeightSharding", "axis_rules",
+           "block_shape", "constrain", "current_mesh", "current_rules", "expert_sharding", "global_amax",
+           "logical_specs", "make_mesh", "mesh_axes", "named_sharding", "shard_state", "state_shardings",
+           "weight_sharding"]

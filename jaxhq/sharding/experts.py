@@ -22,12 +22,12 @@ from .rules import LogicalAxes, current_mesh, current_rules, mesh_axes
 @dataclasses.dataclass(frozen=True)
 class ExpertSharding:
     """Where the experts of a grouped dense live: `axes` (mesh axes of the expert dim), `kernel` (the layout
-    of one expert's kernel, or None when it is whole on every device) and `tokens` (mesh axes of a group's
-    token rows). `name` labels errors."""
+    of one expert's kernel [K, N], FSDP gathers included) and `tokens` (mesh axes of a group's token rows).
+    `name` labels errors."""
 
     mesh: Any
     axes: tuple
-    kernel: Optional[WeightSharding] = None
+    kernel: WeightSharding
     tokens: tuple = ()
     name: str = ""
 

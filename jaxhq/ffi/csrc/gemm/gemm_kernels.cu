@@ -135,7 +135,8 @@ __global__ void nvfp4_pair_kernel(const uint4* __restrict__ data, const uint16_t
 #pragma unroll
   for (int i = 0; i < 16; ++i) {  // byte i: elements 2i (low nibble) and 2i + 1, of block i / 8
     const uint32_t byte = (w[i / 4] >> (8 * (i % 4))) & 0xFFu;
-    const __nv_bfloat162 h = __floats2bfloat162_rn(e2m1_value(byte & 0xFu) * s[i / 8], e2m1_value(byte >> 4) * s[i / 8]);
+    const float sc = s[i / 8];
+    const __nv_bfloat162 h = __floats2bfloat162_rn(e2m1_value(byte & 0xFu) * sc, e2m1_value(byte >> 4) * sc);
     memcpy(ow + i, &h, 4);
   }
 #pragma unroll
@@ -192,7 +193,8 @@ __global__ void swizzle_kernel(const uint8_t* in, int64_t rows, int64_t cols, ui
 
 std::string swizzle_block_scales(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out, cudaStream_t s) {
   int64_t prow = (rows + 127) / 128 * 128, pcol = (cols + 3) / 4 * 4;
-  if (prow * pcol > 0) launch_kernel(swizzle_kernel, blocks_for(prow * pcol), kThreads, 0, s, in, rows, cols, out, prow, pcol);
+  if (prow * pcol > 0)
+    launch_kernel(swizzle_kernel, blocks_for(prow * pcol), kThreads, 0, s, in, rows, cols, out, prow, pcol);
   return last_error();
 }
 
