@@ -140,15 +140,15 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
       float v[16];
       read_chunk(sm.tile, s, cr, ch, sp.fmt == kNvfp4 && (sp.opts & kRHT), v);
       const float* ca = sm.camax[s];
-      float a = ca[cr * kChunks + ch];  // NVFP4 1x16
+      float a = 0.0f;  // the chunk's block amax (per-tensor FP8 has none)
       if (sp.fmt == kNvfp4 && (sp.opts & kBlock2D)) {
-        a = 0.0f;
 #pragma unroll
         for (int i = 0; i < 16; ++i) a = nmax(a, ca[((cr & ~15) + i) * kChunks + ch]);
+      } else if (sp.fmt == kNvfp4) {
+        a = ca[cr * kChunks + ch];
       } else if (sp.fmt == kMxfp8) {
         a = nmax(ca[cr * kChunks + (ch & ~1)], ca[cr * kChunks + (ch | 1)]);
       } else if (sp.fmt == kFp8Block1) {
-        a = 0.0f;
 #pragma unroll
         for (int i = 0; i < kChunks; ++i) a = nmax(a, ca[cr * kChunks + i]);
       } else if (sp.fmt == kFp8Block2) {
