@@ -205,8 +205,7 @@ def test_grouped_dense_equals_per_group_dense_with_mixed_quantizers():
         start += s
 
 
-@pytest.mark.parametrize("recipe_name", ["bf16", "fp8_current", "fp8_delayed", "mxfp8", "nvfp4", "fp8_block",
-                                         "hybrid:mxfp8:nvfp4"])
+@pytest.mark.parametrize("recipe_name", NAMED)
 def test_grouped_dense_with_shared_quantizers_runs_one_vmap_bit_equal_to_the_loop(recipe_name):
     """Experts with the same quantizers run as one vmap over the stacked kernels (what expert parallelism
     splits); kernels given as a list run the per-group loop. Outputs, gradients and the delayed-scaling
