@@ -22,8 +22,8 @@ def pmax_nan(a, axis_names: Union[str, Sequence[str]]):
     if not names:
         return a
     has_nan = jax.lax.pmax(jnp.isnan(a).astype(jnp.int32), names)
-    m = jax.lax.pmax(jnp.where(jnp.isnan(a), jnp.zeros_like(a), a), names)
-    return jnp.where(has_nan > 0, jnp.full_like(a, jnp.nan), m)
+    m = jax.lax.pmax(jnp.where(jnp.isnan(a), jnp.asarray(0, a.dtype), a), names)
+    return jnp.where(has_nan > 0, jnp.asarray(jnp.nan, a.dtype), m)  # scalars: the result stays replicated
 
 
 def global_amax(x, axis_names: Union[str, Sequence[str]] = ()):
