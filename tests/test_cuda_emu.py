@@ -83,21 +83,15 @@ def _ptr(a):
     return a.ctypes.data_as(ctypes.c_void_p)
 
 
-def _data_bytes(fmt, r, c):
-    return 0 if fmt == P.NONE else r * ((c + 1) // 2) if fmt == P.NVFP4 else r * c
-
-
-def _scale_bytes(fmt, r, c):
-    cd = lambda a, b: -(-a // b)  # noqa: E731
-    return {P.MXFP8: r * cd(c, 32), P.NVFP4: r * cd(c, 16), P.FP8_BLOCK_1x128: 4 * r * cd(c, 128),
-            P.FP8_BLOCK_128x128: 4 * cd(r, 128) * cd(c, 128)}.get(fmt, 0)
+def _nbytes(fmt, opts, r, c):
+    """(data bytes, scale bytes) of one [r, c] copy, from the primitives' output shapes."""
+    return P.nbytes(P.data_shape_dtype(fmt, opts, r, c)), P.nbytes(P.scale_shape_dtype(fmt, r, c))
 
 
 def _quantize(lib, x, row, col, scales, seed, variant, order, poison):
     """(error text, [row data, row scale, col data, col scale] bytes) of one call; variant -1: CPU code."""
     batch, m, k = x.shape
-    sizes = (_data_bytes(row[0], m, k), _scale_bytes(row[0], m, k), _data_bytes(col[0], k, m),
-             _scale_bytes(col[0], k, m))
+    sizes = (*_nbytes(*row, m, k), *_nbytes(*col, k, m))
     outs = [np.full(max(batch * n, 1), poison, np.uint8) for n in sizes]
     dtype_id = next(i for i, d in DTYPES.items() if np.dtype(d) == x.dtype)
     err = lib.emu_quantize(_ptr(x), dtype_id, batch, m, k, _ptr(scales), _ptr(seed), row[0], row[1], _ptr(outs[0]),
