@@ -227,7 +227,15 @@ def test_grouped_dense_with_shared_quantizers_runs_one_vmap_bit_equal_to_the_loo
     grads = [jax.jit(jax.value_and_grad(lambda x, w, st: loss(x, w, st, as_list), (0, 1, 2)))(x, ws, states)
              for as_list in (False, True)]
     for a, b in zip(*(jax.tree.leaves(r) for r in grads)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if recipe_name == "bf16" and jax.default_backend() == "gpu":
+            # The high-precision GEMM is XLA's fp32 dot, which a GPU runs as TF32 (10-bit products), and a
+            # batched dot may use another cuBLAS algorithm than G single ones: summation order differs. Seen on
+            # an H100: 1.3e-4 relative at worst per element. Quantized recipes go through the FFI kernels and
+            # stay bit-equal there too.
+            assert np.linalg.norm(a - b) <= 2e-3 * np.linalg.norm(b)
+        else:
+            np.testing.assert_array_equal(a, b)
 
 
 # ---------------------------------------------------------------- errors
