@@ -159,13 +159,13 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
   }
 }
 
-// JAXHQ_QUANTIZE_VARIANT = alternating (default) | batched | registers: the variant the FFI handlers launch
-// (the same results; see docs/ffi.md).
+// JAXHQ_QUANTIZE_VARIANT = registers (default) | alternating | batched: the variant the FFI handlers launch
+// (the same results; see docs/ffi.md). `registers` hands the calls it does not take to `alternating`.
 int default_variant() {
   static const int v = [] {
     const char* e = std::getenv("JAXHQ_QUANTIZE_VARIANT");
     const std::string s = e ? e : "";
-    return s == "batched" ? kBatchedLoad : s == "registers" ? kRegisterTile : kAlternatingLoad;
+    return s == "batched" ? kBatchedLoad : s == "alternating" ? kAlternatingLoad : kRegisterTile;
   }();
   return v;
 }

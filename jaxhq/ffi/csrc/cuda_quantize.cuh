@@ -127,7 +127,7 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
   store_bytes(data + gr * C + gc, out, C - gc, C % N == 0);
 }
 
-// The register-tile kernel (cuda_quantize_regs.cu): 16-bit inputs, no RHT.
+// The register-tile kernel (cuda_quantize_regs.cu): 16-bit inputs, FP8 formats (register_tile_takes).
 bool register_tile_takes(const QuantizeArgs& a);
 std::string launch_register_tile(const Params& p, int32_t dtype, int64_t batch, cudaStream_t s);
 

@@ -1,13 +1,13 @@
-// The register-tile quantize kernel (QuantizeVariant kRegisterTile), for bf16/fp16 inputs and every format
-// but the RHT. A CTA of 256 threads covers a 128x128 tile of x. Each thread loads an 8x8 block of it with
-// eight 16-byte loads issued together and keeps it in registers: its rowwise copy is 8 rows of 8 values,
-// its columnwise copy the same registers read the other way. No element of x passes through shared memory.
-// Block amaxes start as per-thread partials: the integer max of the 16-bit |x| patterns, which orders as the
-// values do, with NaN patterns above inf. They meet in 17 KB of shared memory. Numerics: numerics.h, as the
-// tile kernel and the CPU handlers, bit for bit.
+// The register-tile quantize kernel (QuantizeVariant kRegisterTile, the default) for bf16/fp16 inputs and the
+// FP8 formats (per-tensor, MXFP8, blockwise). A CTA of 256 threads covers a 128x128 tile of x. Each thread
+// loads an 8x8 block of it with eight 16-byte loads issued together and keeps it in registers: its rowwise
+// copy is 8 rows of 8 values, its columnwise copy the same registers read the other way. No element of x
+// passes through shared memory. Block amaxes start as per-thread partials: the integer max of the 16-bit |x|
+// patterns, which orders as the values do, with NaN patterns above inf. They meet in 17 KB of shared memory.
+// Numerics: encode_chunk (cuda_quantize.cuh), shared with the tile kernel.
 //
 // Thread layout: warp w, lane l -> block row rg = 4 (w % 4) + l / 8, block column cg = 8 (w / 4) + l % 8.
-// Eight lanes read 128 contiguous bytes of a row; MXFP8 and NVFP4 blocks of either copy are 2 or 4 lanes of
+// Eight lanes read 128 contiguous bytes of a row; an MXFP8 block of either copy is 4 lanes of
 // one warp. Stores: a rowwise FP8 row of a warp is 64 contiguous bytes, a columnwise one 32.
 #include "cuda_common.cuh"
 #include "cuda_launch.h"
@@ -125,11 +125,6 @@ __global__ void __launch_bounds__(kThreads) quantize_regs_kernel(Params p) {
     const int grp = s == 0 ? cg : rg;          // its 8-element group along the copy row
     const int64_t tr0 = s == 0 ? r0 : c0, gc = (s == 0 ? c0 : r0) + 8 * grp;  // in the copy
     const uint32_t* part = sm.part[s];
-    uint32_t a2d = 0u;  // NVFP4 16x16: the block spans this thread's 8 rows and its neighbours'
-    if (sp.fmt == kNvfp4 && (sp.opts & kBlock2D)) {
-      const int rb = cr0 & ~15, gb = grp & ~1;
-      for (int i = 0; i < 16; ++i) a2d = maxu(a2d, maxu(part[(rb + i) * kPart + gb], part[(rb + i) * kPart + gb + 1]));
-    }
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
       const int cr = cr0 + t;
@@ -139,9 +134,7 @@ __global__ void __launch_bounds__(kThreads) quantize_regs_kernel(Params p) {
 #pragma unroll
       for (int e = 0; e < 8; ++e) v[e] = bits_to_f32<T>(element(w, s, t, e));
       uint32_t a = 0u;  // the block's max |x| pattern
-      if (sp.fmt == kNvfp4) {
-        a = (sp.opts & kBlock2D) ? a2d : maxu(part[cr * kPart + (grp & ~1)], part[cr * kPart + (grp | 1)]);
-      } else if (sp.fmt == kMxfp8) {
+      if (sp.fmt == kMxfp8) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) a = maxu(a, part[cr * kPart + (grp & ~3) + i]);
       } else if (sp.fmt == kFp8Block1) {
@@ -163,9 +156,11 @@ std::string launch_t(const Params& p, int64_t batch, cudaStream_t s) {
 
 }  // namespace
 
+// bf16/fp16 without an NVFP4 side. NVFP4 runs slower here than in the tile kernel (H100, 16384^2: 3.08 against
+// 1.99 ms; twice the per-block scale work on 8-element chunks), and the RHT is not written here; FP8 per-tensor,
+// MXFP8 and FP8 blockwise run 1.3-1.6x faster (docs/ffi.md).
 bool register_tile_takes(const QuantizeArgs& a) {
-  const bool rht = (a.row.fmt == kNvfp4 && (a.row.opts & kRHT)) || (a.col.fmt == kNvfp4 && (a.col.opts & kRHT));
-  return (a.dtype == kBF16 || a.dtype == kF16) && !rht;
+  return (a.dtype == kBF16 || a.dtype == kF16) && a.row.fmt != kNvfp4 && a.col.fmt != kNvfp4;
 }
 
 std::string launch_register_tile(const Params& p, int32_t dtype, int64_t batch, cudaStream_t s) {
