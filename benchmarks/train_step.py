@@ -3,9 +3,10 @@
 For every recipe: the jitted forward + backward + AdamW step (state donated), timed after warm-up with a
 device sync per step (median of --steps); tokens/s; model FLOP utilisation (6 N T for the dense layers plus
 6 L B S^2 d for causal attention, over the GPU's dense bf16 peak); the compiled program's memory (arguments +
-temporaries + outputs - donated aliases); and where the time goes: the step's quantize calls alone and its
-dense ops alone (forward + both backward GEMMs, quantization included), timed on the same shapes, so
-GEMMs ~ dense - quantize and the rest (attention, norms, optimizer) ~ step - dense.
+temporaries + outputs - donated aliases); and where the time goes, from a profile of the compiled step
+itself (step_profile.py): quantization (with any producer XLA fused into it), GEMMs, attention, the rest, the
+idle gap, and kernels per step. --paths runs each quantized recipe with the quantization made by the FFI
+kernels or by XLA's fusion of the reference (JAXHQ_QUANTIZE_PATH), to choose the default per format.
 
     python benchmarks/train_step.py                    # on a GPU, the H100 preset: d 4096, FFN 14336 gated, 32 heads, seq 4096
     python benchmarks/train_step.py --preset quick     # a smaller stack for a quick look
@@ -23,10 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import parser, print_table, time_fn, write_json  # noqa: E402
+from common import parser, print_table, write_json  # noqa: E402
+from step_profile import CATEGORIES, profile_step  # noqa: E402
 
-from jaxhq.formats import init_state, quantize  # noqa: E402
-from jaxhq.ops import dense  # noqa: E402
 from jaxhq.train import model as M, state as S  # noqa: E402
 
 RECIPES = ["bf16", "fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", "hybrid:mxfp8:nvfp4"]
@@ -66,40 +66,23 @@ def dense_shapes(cfg: M.GPTConfig) -> list:
     return [(n, fi, fo, c) for (n, fi, fo), c in out.items()]
 
 
-def _quantizers(recipe, name):
-    qs = recipe.dense_quantizers(name)
-    states = {s: init_state(getattr(qs, s)) for s in ("input", "weight", "grad_output")}
-    return qs, {k: v for k, v in states.items() if v is not None}
+def run_recipe(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split: bool,
+               path: str = "default") -> dict:
+    """Compiles and times one recipe's step; with `split`, profiles it (step_profile). `path` is a
+    JAXHQ_QUANTIZE_PATH value ("default": as the library chooses), set while the step is traced."""
+    jax.clear_caches()
+    saved = os.environ.get("JAXHQ_QUANTIZE_PATH")
+    if path != "default":
+        os.environ["JAXHQ_QUANTIZE_PATH"] = path
+    try:
+        return _run(name, cfg, batch, steps, warmup, split) | {"path": path}
+    finally:
+        os.environ.pop("JAXHQ_QUANTIZE_PATH", None)
+        if saved is not None:
+            os.environ["JAXHQ_QUANTIZE_PATH"] = saved
 
 
-def _quantize_one(recipe, name, x, w, dy, key):
-    qs, st = _quantizers(recipe, name)
-    return [quantize(v, getattr(qs, slot), key=key, state=st.get(slot))
-            for slot, v in (("input", x), ("weight", w.T), ("grad_output", dy))]
-
-
-def _dense_one(recipe, name, x, w, dy, key):
-    qs, st = _quantizers(recipe, name)
-    y, vjp = jax.vjp(lambda x, w: dense(x, w, quantizers=qs, states=st, key=key), x, w)
-    return y, vjp(dy)
-
-
-def breakdown(recipe, cfg: M.GPTConfig, batch: int, iters: int) -> dict:
-    """Seconds per step in the dense ops' quantize calls alone and in the dense ops alone (each shape timed
-    once, weighted by how often the model runs it)."""
-    tokens, dt = batch * cfg.seq_len, jnp.dtype(cfg.dtype)
-    res = {"quantize_s": 0.0, "dense_s": 0.0}
-    key = jax.random.key(2)
-    for i, (name, fin, fout, count) in enumerate(dense_shapes(cfg)):
-        k1, k2, k3 = jax.random.split(jax.random.key(10 + i), 3)
-        args = (jax.random.normal(k1, (tokens, fin), dt), 0.02 * jax.random.normal(k2, (fin, fout), dt),
-                jax.random.normal(k3, (tokens, fout), dt), key)
-        for label, fn in (("quantize_s", _quantize_one), ("dense_s", _dense_one)):
-            res[label] += count * time_fn(jax.jit(functools.partial(fn, recipe, name)), *args, warmup=2, iters=iters)
-    return res
-
-
-def run_recipe(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split: bool) -> dict:
+def _run(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split: bool) -> dict:
     recipe = S.named_recipe(name)
     model = M.GPT(cfg, recipe)
     tx = S.make_optimizer(1e-4, 1000, 10)
@@ -130,12 +113,18 @@ def run_recipe(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int,
                loss=float(m["loss"]))
     peak = peak_flops()
     row["mfu"] = None if peak is None else step_flops(cfg, batch) / step_s / peak
-    del state, compiled
     if split:
-        b = breakdown(recipe, cfg, batch, iters=max(5, steps // 2))
-        row["quantize_ms"], row["dense_ms"] = 1e3 * b["quantize_s"], 1e3 * b["dense_s"]
-        row["quantize_share"] = b["quantize_s"] / step_s
-        row["gemm_share"] = max(b["dense_s"] - b["quantize_s"], 0.0) / step_s
+        holder = [state]
+
+        def one_step():
+            holder[0], out = compiled(holder[0], batch_d)
+            jax.block_until_ready(out)
+
+        prof = profile_step(one_step, min(steps, 5), compiled.as_text(), step_s)
+        row.update(prof)
+        for c in CATEGORIES:
+            if f"{c}_ms" in prof:
+                row[f"{c}_share"] = prof[f"{c}_ms"] / (1e3 * step_s)
     return row
 
 
@@ -147,7 +136,10 @@ def main():
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--no-split", action="store_true", help="skip the quantize / dense time split")
+    p.add_argument("--no-split", action="store_true", help="skip the profile of the step (time per category)")
+    p.add_argument("--paths", default="default",
+                   help="JAXHQ_QUANTIZE_PATH values to run each quantized recipe under, ';'-separated "
+                        "(e.g. 'default;all=xla;all=kernel')")
     p.add_argument("--budget-s", type=float, default=None, help="start no new recipe after this many seconds")
     a = p.parse_args()
     preset = "quick" if a.quick else a.preset or ("cpu" if jax.default_backend() == "cpu" else "h100")
@@ -157,20 +149,24 @@ def main():
     print(f"model: {cfg.num_layers} layers, d {cfg.d_model}, FFN {cfg.d_ff} ({cfg.activation}), {cfg.num_heads} heads, "
           f"seq {cfg.seq_len}, batch {batch}, {cfg.num_params() / 1e9:.2f} B params; {jax.devices()[0].device_kind}")
     rows, t_start, skipped = [], time.perf_counter(), []
-    for name in a.recipes.split(","):
+    runs = [(n, p) for n in a.recipes.split(",") for p in (["default"] if n == "bf16" else a.paths.split(";"))]
+    for name, path in runs:
         if a.budget_s is not None and time.perf_counter() - t_start > a.budget_s:
-            skipped.append(name)
+            skipped.append(f"{name} ({path})")
             continue
-        rows.append(run_recipe(name, cfg, batch, a.steps, a.warmup, not a.no_split))
-        print(f"  {name}: {rows[-1]['step_ms']:.2f} ms", flush=True)
+        r = run_recipe(name, cfg, batch, a.steps, a.warmup, not a.no_split, path)
+        rows.append(r)
+        shares = "  ".join(f"{c} {r[c + '_ms']:.2f}" for c in CATEGORIES if c + "_ms" in r)
+        print(f"  {name} [{path}]: {r['step_ms']:.2f} ms  ({shares}; idle {r.get('idle_ms', 0):.2f}; "
+              f"kernels/step {r.get('kernels_per_step')}) {r.get('profile_error', '')}", flush=True)
     base = next((r for r in rows if r["recipe"] == "bf16"), None)
     for r in rows:
         if base:
             r["vs_bf16"] = r["step_ms"] / base["step_ms"]
             if r["memory_gib"] and base["memory_gib"]:
                 r["memory_vs_bf16"] = r["memory_gib"] / base["memory_gib"]
-    print_table(rows, ["recipe", "step_ms", "vs_bf16", "tokens_per_s", "mfu", "memory_gib", "memory_vs_bf16",
-                       "quantize_share", "gemm_share", "compile_s"])
+    print_table(rows, ["recipe", "path", "step_ms", "vs_bf16", "tokens_per_s", "mfu", "memory_gib", "memory_vs_bf16",
+                       "quantize_share", "gemm_share", "attention_share", "rest_share", "compile_s"])
     if skipped:
         print("skipped (time budget):", ", ".join(skipped))
     out = write_json("train_step", rows, a.out, config=dict(cfg.__dict__), batch=batch, skipped=skipped)

@@ -1,10 +1,14 @@
-"""`jaxhq.plan`: the table of every quantized slot with its role and the formats of its two copies."""
+"""`jaxhq.plan`: the table of every quantized slot with its role, the formats of its two copies and how each
+copy is made on the default backend (an FFI kernel or XLA's fusion of the jnp reference)."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Iterable
 
+import jax
+
 from .formats import COLUMNWISE, ROWWISE, side
+from .formats.quantize import copy_path
 from .recipes import CustomRecipe, get
 from .roles import QuantizerRole
 
@@ -17,6 +21,7 @@ class PlanRow:
     role: QuantizerRole
     rowwise: str
     columnwise: str
+    path: str = ""  # how the copies are made here: "kernel" or "xla" per copy, "rowwise|columnwise"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,13 +30,13 @@ class Plan:
     rows: tuple
 
     def __str__(self) -> str:
-        head = ("module", "tensor", "type", "rowwise (reader)", "columnwise (reader)")
+        head = ("module", "tensor", "type", "rowwise (reader)", "columnwise (reader)", "path (row|col)")
         body = []
         for r in self.rows:
             rd = READERS.get(r.role.tensor_type, ("", ""))
             body.append((r.role.name, r.role.tensor_type, r.role.module_type,
                          f"{r.rowwise} ({rd[0]})" if rd[0] else r.rowwise,
-                         f"{r.columnwise} ({rd[1]})" if rd[1] else r.columnwise))
+                         f"{r.columnwise} ({rd[1]})" if rd[1] else r.columnwise, r.path))
         widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
         fmt = "  ".join("{:<%d}" % w for w in widths)
         lines = [f"recipe: {self.recipe}", fmt.format(*head), fmt.format(*("-" * w for w in widths))]
@@ -50,8 +55,11 @@ def plan(recipe, roles_or_model: Iterable[QuantizerRole] = (), *example_inputs) 
         roles = model_roles(roles_or_model, rec, *example_inputs)
     else:
         roles = list(roles_or_model)
+    platform = "cpu" if jax.default_backend() == "cpu" else "cuda"
     rows = []
     for role in roles:
         q = rec.quantizer(role)
-        rows.append(PlanRow(role, side(q, ROWWISE).label, side(q, COLUMNWISE).label))
+        path = "|".join(copy_path(q, a, platform) if side(q, a).name != "identity" else "-"
+                        for a in (ROWWISE, COLUMNWISE))
+        rows.append(PlanRow(role, side(q, ROWWISE).label, side(q, COLUMNWISE).label, path))
     return Plan(rec.name, tuple(rows))

@@ -4,8 +4,9 @@
 #   tests: the kernel tests (-m gpu; the quantize tests once per kernel variant) and the dense-op and layer tests
 #          on the GPU backend, side by side
 #   recheck: only the tests selected by RECHECK (a pytest -k expression over the FFI and dense-op tests)
-#   bench: (RECHECK first when set) benchmarks/train_step.py (every recipe against bf16), then the GEMM benchmark
-#          and the quantize benchmark once per variant of the quantize kernel (JAXHQ_QUANTIZE_VARIANT)
+#   bench: (RECHECK first when set) the benchmarks named by BENCH (default "train peer gemm quantize"):
+#          train_step.py (every recipe against bf16; TRAIN_ARGS adds options, e.g. --paths), peer_fp8.py,
+#          gemm.py (GEMM_ARGS) and quantize.py once per kernel variant in VARIANTS (default: the default one)
 set -uo pipefail
 MODE=${1:-tests}
 OUTDIR=${2:-${OUT:-/tmp/jaxhq_gpu}}
@@ -58,15 +59,21 @@ else
     summary "$OUTDIR/recheck.log" 20
   fi
   [ "$MODE" = recheck ] && { log "done"; exit 0; }
-  log "train_step"
-  timeout ${TRAIN_TIMEOUT:-420} $PY benchmarks/train_step.py --budget-s ${TRAIN_BUDGET:-300} --steps 10 \
-    --out "$OUTDIR/train_step.json" 2>&1 | tee "$OUTDIR/train_step.log" | tail -14
-  log "gemm"
-  timeout 90 $PY benchmarks/gemm.py --out "$OUTDIR/gemm.json" 2>&1 | tail -14
-  for variant in alternating batched registers; do
-    log "quantize ($variant)"
-    JAXHQ_QUANTIZE_VARIANT=$variant timeout 120 $PY benchmarks/quantize.py --out "$OUTDIR/quantize_$variant.json" \
-      2>&1 | tail -18
+  for b in ${BENCH:-train peer gemm quantize}; do
+    case $b in
+      train) log "train_step ${TRAIN_ARGS:-}"
+        timeout ${TRAIN_TIMEOUT:-420} $PY benchmarks/train_step.py --budget-s ${TRAIN_BUDGET:-300} --steps 10 \
+          ${TRAIN_ARGS:-} --out "$OUTDIR/train_step.json" 2>&1 | tee "$OUTDIR/train_step.log" | tail -22 ;;
+      peer) log "peer_fp8"
+        timeout ${PEER_TIMEOUT:-200} $PY benchmarks/peer_fp8.py ${PEER_ARGS:-} --out "$OUTDIR/peer_fp8.json" 2>&1 | tail -18 ;;
+      gemm) log "gemm"
+        timeout 150 $PY benchmarks/gemm.py ${GEMM_ARGS:-} --out "$OUTDIR/gemm.json" 2>&1 | tail -24 ;;
+      quantize) for variant in ${VARIANTS:-default}; do
+          log "quantize ($variant)"
+          [ "$variant" = default ] && unset JAXHQ_QUANTIZE_VARIANT || export JAXHQ_QUANTIZE_VARIANT=$variant
+          timeout 150 $PY benchmarks/quantize.py ${QUANTIZE_ARGS:-} --out "$OUTDIR/quantize_$variant.json" 2>&1 | tail -20
+        done; unset JAXHQ_QUANTIZE_VARIANT ;;
+    esac
   done
 fi
 log "done"

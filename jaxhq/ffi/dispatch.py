@@ -47,7 +47,7 @@ def _side_state(q, state, axis):
 
 
 def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=None,
-                    platform: Optional[str] = None, poison: bool = False) -> Optional[dict]:
+                    platform: Optional[str] = None, poison: bool = False, sides=None) -> Optional[dict]:
     """{axis: Storage} for each axis in `usage` (rowwise [M, K], columnwise [K, M]) of x2d [M, K], bit-equal
     to `side(quantizer, axis).quantize_2d`, or None when the kernels do not apply here.
 
@@ -55,6 +55,7 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     state: delayed-scaling state (per side for a Hybrid, as jaxhq.formats.init_state makes it);
     amax: a precomputed per-tensor amax used by the per-tensor sides.
     platform: "cpu" or "cuda" (default: where x2d lives); poison: tests only, see primitives.quantize.
+    sides: the axes the kernel makes (default: every one it covers); the others are made by the reference.
     """
     if load() is None or x2d.ndim != 2:
         return None
@@ -62,7 +63,7 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     if not P.has_kernel(platform):
         return None
     m, k = x2d.shape
-    ids = {a: format_id(side(quantizer, a), a) for a in usage}
+    ids = {a: format_id(side(quantizer, a), a) if sides is None or a in sides else None for a in usage}
     if all(v is None for v in ids.values()):
         return None
     for a in usage:

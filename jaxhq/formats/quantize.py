@@ -78,15 +78,45 @@ def kernel_platforms() -> tuple:
     return {"gpu": ("cuda",), "all": ("cuda", "cpu"), "off": ()}[mode]
 
 
+# Per format family, which path makes its copies where kernels run: "kernel" (one FFI launch for both copies)
+# or "xla" (the jnp reference, which XLA fuses into the op that produces x and into the amax). Chosen by the
+# training step on an H100 (benchmarks/train_step.py --paths; docs/ffi.md "Choosing the path").
+DEFAULT_PATHS = {"fp8": "xla", "fp8_delayed": "xla", "mxfp8": "kernel", "nvfp4": "kernel", "fp8_block": "kernel"}
+
+
+def quantize_paths() -> dict:
+    """DEFAULT_PATHS (every family on the kernel under JAXHQ_KERNELS=all, the tests' mode) with
+    JAXHQ_QUANTIZE_PATH applied: "fp8=kernel,mxfp8=xla" or "all=xla" (comma-separated)."""
+    every_kernel = os.environ.get("JAXHQ_KERNELS", "gpu").lower() == "all"
+    paths = {f: "kernel" for f in DEFAULT_PATHS} if every_kernel else dict(DEFAULT_PATHS)
+    spec = os.environ.get("JAXHQ_QUANTIZE_PATH", "").strip()
+    for item in filter(None, (t.strip() for t in spec.split(","))):
+        fam, _, path = item.partition("=")
+        if path not in ("kernel", "xla") or (fam != "all" and fam not in paths):
+            raise ValueError(f"JAXHQ_QUANTIZE_PATH: {item!r} is not FAMILY=kernel|xla with FAMILY in "
+                             f"{sorted(paths)} or 'all'")
+        paths.update({f: path for f in paths} if fam == "all" else {fam: path})
+    return paths
+
+
+def copy_path(q: Quantizer, axis: str, platform: str) -> str:
+    """How the `axis` copy of `q` is made on `platform` ("cpu" or "cuda"): "kernel" or "xla"."""
+    sq = side(normalize(q), axis)
+    if platform not in kernel_platforms():
+        return "xla"
+    return quantize_paths().get(sq.name, "xla")
+
+
 def _kernel_copies(x2d, q, usage, **kw) -> Optional[dict]:
-    platforms = kernel_platforms()
-    if not platforms:
+    if not kernel_platforms():
         return None
     from ..ffi import primitives
-    if primitives.platform_of(x2d) not in platforms:
+    platform = primitives.platform_of(x2d)
+    sides = tuple(a for a in usage if copy_path(q, a, platform) == "kernel")
+    if not sides:
         return None
     from ..ffi.dispatch import quantize_copies
-    return quantize_copies(x2d, q, usage, **kw)
+    return quantize_copies(x2d, q, usage, sides=sides, **kw)
 
 
 def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=None, amax=None) -> QTensor:
@@ -100,6 +130,14 @@ def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=
     check_input(x, quantizer)
     usage = normalize_usage(usage)
     q = normalize(quantizer)
+    with jax.named_scope(QUANTIZE_SCOPE):  # profiles attribute these ops to quantization
+        return _quantize(x, q, usage, key, state, amax)
+
+
+QUANTIZE_SCOPE = "jaxhq_quantize"
+
+
+def _quantize(x, q, usage, key, state, amax) -> QTensor:
     x = jax.lax.stop_gradient(x)
     x2d = x.reshape(-1, x.shape[-1])
     copies = _kernel_copies(x2d, q, usage, key=key, state=state, amax=amax)

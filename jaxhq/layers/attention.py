@@ -164,11 +164,12 @@ class DotProductAttention(nn.Module):
                 raise ValueError(f"DotProductAttention {path!r}: {s.role} got {qz.label}; delayed scaling is not "
                                  "supported in attention, use a current-scaling quantizer or Identity()")
             quantizers[s.key] = qz
-        if not any(active(qz) for qz in quantizers.values()):
-            return plain_attention(q, k, v, mask, causal=self.causal, scale=self.scale,
-                                   implementation=self.implementation)
-        return quantized_attention(q, k, v, mask, causal=self.causal, scale=self.scale, quantizers=quantizers,
-                                   key=quant_key(self))
+        with jax.named_scope("attention"):  # profiles (benchmarks/step_profile.py) attribute these ops to it
+            if not any(active(qz) for qz in quantizers.values()):
+                return plain_attention(q, k, v, mask, causal=self.causal, scale=self.scale,
+                                       implementation=self.implementation)
+            return quantized_attention(q, k, v, mask, causal=self.causal, scale=self.scale,
+                                       quantizers=quantizers, key=quant_key(self))
 
 
 def rotary(x, base: float = 10000.0, positions=None):

@@ -54,7 +54,11 @@ static ffi::Error cuda_quantize_into(cudaStream_t stream, ffi::AnyBuffer x, ffi:
 
 static auto cuda_bind() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_amax, cuda_amax, bind_amax(cuda_bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_quantize, cuda_quantize, bind_quantize(cuda_bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_quantize_into, cuda_quantize_into, bind_quantize_into(cuda_bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_dequantize, cuda_dequantize, bind_dequantize(cuda_bind()));
+// Kernel launches on the call's stream and nothing else (no host synchronisation, no allocation): XLA may
+// record them into its CUDA graphs (command buffers) with the fusions around them.
+#define JAXHQ_GRAPHABLE {ffi::Traits::kCmdBufferCompatible}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_amax, cuda_amax, bind_amax(cuda_bind()), JAXHQ_GRAPHABLE);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_quantize, cuda_quantize, bind_quantize(cuda_bind()), JAXHQ_GRAPHABLE);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_quantize_into, cuda_quantize_into, bind_quantize_into(cuda_bind()),
+                              JAXHQ_GRAPHABLE);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_dequantize, cuda_dequantize, bind_dequantize(cuda_bind()), JAXHQ_GRAPHABLE);

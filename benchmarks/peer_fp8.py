@@ -1,0 +1,93 @@
+"""jaxhq's recipes against the FP8 a Flax user already has, on the same MLP stack, forward + backward.
+
+The stack: 2 blocks of (up projection, GELU, down projection, residual), bf16 activations, fp32 weights.
+Variants: Flax bf16 (`nn.Dense`), Flax FP8 (`nn.Dense(dot_general_cls=nn.Fp8DirectDotGeneralOp)`: delayed
+scaling, quantization left to XLA, which fuses the casts into the neighbouring ops) and jaxhq's `Dense` under
+each recipe. Timed: one jitted value-and-grad over the weights, the input and the scaling state, back to back.
+
+    python benchmarks/peer_fp8.py                      # on a GPU: both shapes of the issue
+    python benchmarks/peer_fp8.py --shapes 1024x3584x4096 --recipes fp8_delayed,mxfp8
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import parser, print_table, time_back_to_back, write_json  # noqa: E402
+
+from jaxhq.layers import Dense  # noqa: E402
+from jaxhq.recipes import get as get_recipe  # noqa: E402
+
+SHAPES = "4096x14336x8192,1024x3584x4096"  # d_model x d_ff x tokens
+RECIPES = "fp8_delayed,fp8_current,fp8_block,mxfp8,nvfp4"
+
+
+class Stack(nn.Module):
+    d_ff: int
+    variant: str  # "flax_bf16", "flax_fp8" or a jaxhq recipe name
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            if self.variant.startswith("flax"):
+                extra = {"dot_general_cls": nn.Fp8DirectDotGeneralOp} if self.variant == "flax_fp8" else {}
+                up = nn.Dense(self.d_ff, dtype=jnp.bfloat16, name=f"up_{i}", **extra)
+                down = nn.Dense(x.shape[-1], dtype=jnp.bfloat16, name=f"down_{i}", **extra)
+            else:
+                recipe = get_recipe(self.variant)
+                up = Dense(self.d_ff, recipe=recipe, dtype=jnp.bfloat16, name=f"up_{i}")
+                down = Dense(x.shape[-1], recipe=recipe, dtype=jnp.bfloat16, name=f"down_{i}")
+            x = x + down(jax.nn.gelu(up(x)))
+        return x
+
+
+def step_fn(model: Stack, variables):
+    """value-and-grad of a scalar loss over every variable collection (Flax FP8 and jaxhq's delayed scaling
+    return their next scaling state as a gradient or as a mutated collection)."""
+    def loss(v, x):
+        y, _ = model.apply(v, x, mutable=True, rngs={"quant": jax.random.key(0)})
+        return jnp.mean(jnp.square(y.astype(jnp.float32)))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def run(variant: str, d: int, ff: int, tokens: int, reps: int) -> dict:
+    x = jax.random.normal(jax.random.key(1), (tokens, d), jnp.bfloat16)
+    model = Stack(ff, variant)
+    variables = model.init({"params": jax.random.key(2), "quant": jax.random.key(3)}, x)
+    fn = step_fn(model, variables)
+    sec, _ = time_back_to_back(fn, variables, x, iters=10, reps=reps)
+    return {"variant": variant, "shape": f"{d}x{ff}x{tokens}", "ms": 1e3 * sec}
+
+
+def main():
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=SHAPES, help="d_model x d_ff x tokens, comma-separated")
+    p.add_argument("--recipes", default=RECIPES)
+    p.add_argument("--reps", type=int, default=5)
+    a = p.parse_args()
+    shapes = "256x512x512" if a.quick else a.shapes
+    rows = []
+    for shape in shapes.split(","):
+        d, ff, tokens = (int(v) for v in shape.split("x"))
+        base = None
+        for variant in ["flax_bf16", "flax_fp8"] + a.recipes.split(","):
+            r = run(variant, d, ff, tokens, a.reps)
+            base = base or r["ms"]
+            r["vs_flax_bf16"] = r["ms"] / base
+            rows.append(r)
+            print(f"  {shape} {variant}: {r['ms']:.3f} ms ({r['vs_flax_bf16']:.2f}x Flax bf16)", flush=True)
+        flax_fp8 = next(r["ms"] for r in rows if r["shape"] == shape and r["variant"] == "flax_fp8")
+        for r in rows:
+            if r["shape"] == shape:
+                r["vs_flax_fp8"] = r["ms"] / flax_fp8
+    print_table(rows, ["shape", "variant", "ms", "vs_flax_bf16", "vs_flax_fp8"])
+    print("wrote", write_json("peer_fp8", rows, a.out))
+
+
+if __name__ == "__main__":
+    main()

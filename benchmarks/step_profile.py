@@ -1,0 +1,135 @@
+"""Where a jitted step's device time goes, from a profile of the step itself (not re-timings of its pieces).
+
+Each instruction of the compiled HLO gets a category: quantize (the jaxhq quantize/amax custom calls, and
+every op or fusion holding an op from jaxhq.formats.quantize's named scope, the XLA path's fused quantization
+included), gemm (dots, cuBLAS/cuBLASLt and jaxhq GEMM custom calls), attention (cuDNN fused attention, and ops
+traced inside an attention module), collective, or rest. The profiler's device events name their HLO op, so
+their durations add up per category; the step's wall time minus the device time is the idle gap.
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+import tempfile
+
+import jax
+
+from jaxhq.formats.quantize import QUANTIZE_SCOPE
+
+CATEGORIES = ("quantize", "gemm", "attention", "collective", "rest")
+_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INST = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_COLLECTIVE = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all",
+               "ragged-all-to-all")
+
+
+def _opcode(rhs: str) -> str:
+    """The opcode of an HLO instruction's right-hand side ("f32[2]{0} fusion(...)" -> "fusion")."""
+    m = re.search(r"\s([a-z][\w\-]*)\(", " " + rhs.split(", metadata=")[0])
+    return m.group(1) if m else ""
+
+
+def _own_category(rhs: str) -> str | None:
+    op = _opcode(rhs)
+    target = re.search(r'custom_call_target="([^"]+)"', rhs)
+    target = target.group(1).lower() if target else ""
+    op_name = re.search(r'op_name="([^"]+)"', rhs)
+    op_name = op_name.group(1) if op_name else ""
+    if "jaxhq_quantize" in target or "jaxhq_amax" in target:
+        return "quantize"
+    if "fmha" in target or "flash" in target:
+        return "attention"
+    if op in ("dot", "convolution") or "gemm" in target or "matmul" in target or "cublas" in target:
+        return "gemm"
+    if any(op.startswith(c) for c in _COLLECTIVE):
+        return "collective"
+    if QUANTIZE_SCOPE in op_name:
+        return "quantize"
+    if "attention" in op_name.lower():
+        return "attention"
+    return None
+
+
+def categorize(hlo_text: str) -> dict:
+    """{instruction name: category} for every instruction of a compiled module's HLO text; a fusion (or any
+    call) takes the strongest category of the instructions it calls (gemm > attention > quantize)."""
+    own, calls, current = {}, {}, None
+    comp_cats = collections.defaultdict(set)
+    for line in hlo_text.splitlines():
+        m = _COMP.match(line)
+        if m and "=" not in line.split("{")[0]:
+            current = m.group(1)
+            continue
+        m = _INST.match(line)
+        if not m or current is None:
+            continue
+        name, rhs = m.group(1), m.group(2)
+        cat = _own_category(rhs)
+        own[name] = cat
+        called = re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)", rhs)
+        calls[name] = called
+        if cat:
+            comp_cats[current].add(cat)
+    order = ("gemm", "attention", "quantize", "collective")
+    out = {}
+    for name, cat in own.items():
+        cats = {cat} if cat else set()
+        for c in calls.get(name, ()):
+            cats |= comp_cats.get(c, set())
+        out[name] = next((c for c in order if c in cats), "rest")
+    return out
+
+
+def _device_events(xspace_path: str):
+    """(hlo op name, duration ns, is_kernel) of the device planes' op events (or kernel events when the
+    profile has no per-op line)."""
+    from jax.profiler import ProfileData
+    pd = ProfileData.from_file(xspace_path)
+    ops, kernels, layout = [], [], []
+    planes = [p for p in pd.planes if p.name.startswith("/device:")]
+    planes = planes or [p for p in pd.planes if p.name == "/host:CPU"]  # the CPU backend's thunks
+    for plane in planes:
+        for line in plane.lines:
+            layout.append(f"{plane.name}/{line.name}")
+            for e in line.events:
+                stats = dict(e.stats)
+                hlo = stats.get("hlo_op") or (e.name if line.name == "XLA Ops" else None)
+                if hlo is None:
+                    continue
+                hlo = str(hlo).lstrip("%").split(" ")[0].split("=")[0]
+                (ops if line.name == "XLA Ops" else kernels).append((hlo, e.duration_ns))
+    return ops, kernels, layout
+
+
+def profile_step(run_step, steps: int, hlo_text: str, step_s: float) -> dict:
+    """Profiles `steps` calls of run_step() (each synchronised) and splits the device time per category.
+
+    Returns {category}_ms per step, kernels per step (per category), device_ms and idle_ms (wall - device).
+    """
+    cats = categorize(hlo_text)
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        for _ in range(steps):
+            run_step()
+        jax.profiler.stop_trace()
+        files = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))
+        if not files:
+            return {"profile_error": "no xplane.pb written"}
+        ops, kernels, layout = _device_events(files[-1])
+    events = ops or kernels
+    if not events:
+        return {"profile_error": "no device events with an HLO op; lines: " + ", ".join(layout[:12])}
+    ms = dict.fromkeys(CATEGORIES, 0.0)
+    n_kernels = dict.fromkeys(CATEGORIES, 0)
+    for hlo, dur in events:
+        ms[cats.get(hlo, "rest")] += dur / 1e6 / steps
+    for hlo, _ in kernels or ops:
+        n_kernels[cats.get(hlo, "rest")] += 1
+    device_ms = sum(ms.values())
+    out = {f"{c}_ms": v for c, v in ms.items()}
+    out.update(device_ms=device_ms, idle_ms=max(1e3 * step_s - device_ms, 0.0),
+               kernels_per_step={c: v / steps for c, v in n_kernels.items()},
+               unmatched_ops=len({h for h, _ in events if h not in cats}))
+    return out
