@@ -1,8 +1,11 @@
 """GEMM throughput on one GPU, one process: each jaxhq FFI kernel next to XLA bf16, XLA FP8 and
 jax.nn.scaled_matmul (MXFP8, NVFP4), at 8192^3 and the LLM shapes M=16384, (K, N) in {(4096, 4096),
 (4096, 14336), (14336, 4096)}. TFLOP/s = 2MNK / median time; operands quantized once, outside the timing.
+Each shape's rows are printed as soon as that shape finishes; the JSON is rewritten after every shape.
 
-    python benchmarks/gemm.py [--out FILE] [--quick]
+    python benchmarks/gemm.py [--shapes 8192x8192x8192,16384x4096x14336] [--out FILE] [--quick]
+
+A shape is MxKxN (out[M, N] = A[M, K] @ B[N, K].T).
 """
 from __future__ import annotations
 
@@ -65,9 +68,28 @@ def variants(m, k, n, key):
     return v
 
 
+REF = {"jaxhq_fp8_tensor": "xla_fp8_dot_general", "jaxhq_fp8_tensor_fastacc": "xla_fp8_dot_general",
+       "jaxhq_mxfp8": "scaled_matmul_mxfp8", "jaxhq_mxfp8_dq": "scaled_matmul_mxfp8",
+       "jaxhq_nvfp4": "scaled_matmul_nvfp4"}
+COLUMNS = ["M", "K", "N", "kernel", "ms", "tflops", "x_bf16", "x_ref", "ref"]
+
+
+def _shape(text: str) -> tuple:
+    try:
+        m, k, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--shapes: {text!r} is not MxKxN (e.g. 8192x8192x8192)") from None
+    return m, k, n
+
+
 def main():
-    args = parser(__doc__).parse_args()
-    shapes = [(1024, 1024, 1024)] if args.quick else SHAPES
+    p = parser(__doc__)
+    p.add_argument("--shapes", default=None, help="comma-separated MxKxN list (default: the four shapes above)")
+    args = p.parse_args()
+    if args.shapes:
+        shapes = [_shape(t) for t in args.shapes.split(",") if t]
+    else:
+        shapes = [(1024, 1024, 1024)] if args.quick else SHAPES
     rows = []
     key = jax.random.PRNGKey(0)
     for (m, k, n) in shapes:
@@ -79,22 +101,23 @@ def main():
                 t = time_back_to_back(fn, *a)[0]
                 tf = 2.0 * m * n * k / t / 1e12
             except Exception as e:  # noqa: BLE001
-                print(f"{name} {m}x{k}x{n} failed: {repr(e)[:300]}")
+                print(f"{name} {m}x{k}x{n} failed: {repr(e)[:300]}", flush=True)
                 t, tf = None, None
             base[name] = tf
             rows.append({"M": m, "K": k, "N": n, "kernel": name, "ms": None if t is None else t * 1e3, "tflops": tf})
-        for r in rows[-len(vs):]:
+        mine = rows[-len(vs):]
+        for r in mine:
             if r["tflops"]:
                 r["x_bf16"] = r["tflops"] / base["xla_bf16"] if base.get("xla_bf16") else None
-                ref = {"jaxhq_fp8_tensor": "xla_fp8_dot_general", "jaxhq_fp8_tensor_fastacc": "xla_fp8_dot_general",
-                       "jaxhq_mxfp8": "scaled_matmul_mxfp8", "jaxhq_nvfp4": "scaled_matmul_nvfp4"}.get(r["kernel"])
+                ref = REF.get(r["kernel"])
                 if ref and base.get(ref):
                     r["x_ref"] = r["tflops"] / base[ref]
                     r["ref"] = ref
         del vs
         gc.collect()
-    path = write_json("gemm", rows, args.out)
-    print_table(rows, ["M", "K", "N", "kernel", "ms", "tflops", "x_bf16", "x_ref", "ref"])
+        print_table(mine, COLUMNS)
+        print(flush=True)
+        path = write_json("gemm", rows, args.out)
     print("wrote", path)
 
 

@@ -164,8 +164,8 @@ def test_partial_k_blocks(recipe, k):
 
 
 def test_dispatch_table_uses_kernels():
-    pairs = G.register_gpu_gemms()
-    assert set(pairs) == set(G.VERIFIED)
+    pairs = table.register_gpu_gemms()
+    assert set(pairs) == set(table.gpu_kernels())
     for recipe in ("fp8", "fp8_block", "mxfp8", "nvfp4"):
         a, b, seed = _operands(recipe, "forward", 17)
         fn = table.lookup(table.family(a), table.family(b), "gpu")
@@ -175,7 +175,7 @@ def test_dispatch_table_uses_kernels():
 
 
 def test_unsupported_shapes_fall_back():
-    G.register_gpu_gemms()
+    table.register_gpu_gemms()
     a, b, seed = _operands("fp8", "wgrad", 1000)  # contraction 1000 % 16 != 0: no FP8 GEMM
     with pytest.raises(G.GemmUnsupported):
         G.fp8_gemm(a, b, jnp.float32)
@@ -224,7 +224,7 @@ def test_dense_op_uses_kernels(recipe):
     2.55% loss difference for mxfp8, equal to 5 digits to the quantized-vs-unquantized gap on the CPU)."""
     from jaxhq import recipes
     from jaxhq.ops import dense
-    G.register_gpu_gemms()
+    table.register_gpu_gemms()
     qs = recipes.get(recipe).dense_quantizers("layer")
     rng, seed = _rng()
     x = jnp.asarray(rng.standard_normal((256, K_)), jnp.float32)
@@ -242,7 +242,7 @@ def test_dense_op_uses_kernels(recipe):
         def reference(a, b, out_dtype):
             a, b = jax.lax.optimization_barrier((a, b))
             return table.dequantized_dot(a, b, out_dtype)
-        for fa, fb in G.VERIFIED:
+        for fa, fb in table.gpu_kernels():
             table.register(fa, fb, reference, platform="gpu")
         want = run()
     finally:

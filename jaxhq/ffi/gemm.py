@@ -5,8 +5,8 @@ scales on the device; `blockscaled_gemm` (MXFP8, NVFP4) dequantizes both operand
 scratch memory and runs a cuBLASLt bf16 GEMM with the NVFP4 global scales as a device-side alpha. Each takes
 an optional bias [N] and an optional `accumulate` array [M, N] that the result is added into (aliased, for
 wgrad accumulation). `grouped_gemm` runs the ragged MoE version of either in one FFI call.
-`register_gpu_gemms()` puts them into the dense op's dispatch table for the pairs whose GPU test passes;
-unsupported shapes fall back to the XLA path that was registered before. See docs/gemm.md.
+This module does not know the dispatch table: `jaxhq.ops.gemm` imports it and registers these kernels
+(the dependency runs one way). Operands a kernel cannot take raise `GemmUnsupported`. See docs/gemm.md.
 """
 from __future__ import annotations
 
@@ -217,40 +217,3 @@ def _grouped_tail(t, g, n, out_dtype, bias, accumulate, name, c_index):
     out_dtype, _, c, aliases = _out_tail(t, n, out_dtype, None, accumulate, name)
     b = _empty(out_dtype) if bias is None else jnp.asarray(bias, out_dtype).reshape(g, n)
     return out_dtype, b, c, ({c_index: 0} if aliases else {})
-
-def _with_fallback(kernel, fallback):
-    """A dispatch-table entry: the kernel where it applies, else the previously registered implementation."""
-    def fn(a: Storage, b: Storage, out_dtype):
-        try:
-            return kernel(a, b, out_dtype)
-        except GemmUnsupported:
-            return fallback(a, b, out_dtype)
-    fn.__name__ = f"gpu_{kernel.__name__}"
-    return fn
-
-
-# Pairs whose kernel passed tests/test_gemm_gpu.py on an H100 (see docs/gemm.md for the run).
-VERIFIED = {("fp8", "fp8"): fp8_gemm, ("fp8_block", "fp8_block"): fp8_gemm,
-            ("mxfp8", "mxfp8"): blockscaled_gemm, ("nvfp4", "nvfp4"): blockscaled_gemm}
-
-
-def register_gpu_gemms() -> list:
-    """Registers the verified kernels in jaxhq.ops.gemm's table for platform "gpu"; returns the pairs.
-
-    Does nothing (returns []) without a GPU or when the kernels are not built. Safe to call more than once.
-    """
-    import importlib
-    table = importlib.import_module("jaxhq.ops.gemm")  # the module (jaxhq.ops.gemm is also a function name)
-    if not available():
-        return []
-    done = []
-    for (fa, fb), kernel in VERIFIED.items():
-        prev = table.lookup(fa, fb, "gpu")
-        if getattr(prev, "_jaxhq_ffi_gemm", False):
-            done.append((fa, fb))
-            continue
-        fn = _with_fallback(kernel, prev or table.dequantized_dot)
-        fn._jaxhq_ffi_gemm = True
-        table.register(fa, fb, fn, platform="gpu")
-        done.append((fa, fb))
-    return done
