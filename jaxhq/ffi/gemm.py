@@ -132,13 +132,14 @@ def _hopper() -> bool:
     return cc.split(".")[0] == "9"
 
 
-def _use_wgmma(fa: int, fb: int, k: int, kernel: str, name: str) -> bool:
+def _use_wgmma(fa: int, fb: int, k: int, kernel: str, name: str, groups: int = 0) -> bool:
     """Whether an MXFP8 pair runs on the FP8-wgmma kernel: `kernel` "auto" picks it where it applies (Hopper,
-    MXFP8 on both sides, K % 16 == 0 for TMA rows), "wgmma" requires it, "dequantize" never uses it."""
+    MXFP8 on both sides, K % 16 == 0 for TMA rows, <= 1024 groups), "wgmma" requires it, "dequantize" never."""
     if kernel not in KERNELS:
         raise ValueError(f"{name}: kernel must be one of {KERNELS}, got {kernel!r}")
     mx = fa != FMT_NVFP4 and fb != FMT_NVFP4
     why = ("not MXFP8 x MXFP8" if not mx else f"K = {k} is not a positive multiple of 16" if k <= 0 or k % 16
+           else f"{groups} groups (at most 1024)" if groups > 1024
            else "the GPU is not a Hopper (sm_90a)" if not _hopper() else "")
     if kernel == "wgmma" and why:
         raise GemmUnsupported(f"{name}: the MXFP8 wgmma kernel does not apply: {why}")
@@ -239,7 +240,7 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
         if k % 8:
             raise GemmUnsupported(f"{name}: MXFP8 needs K % 8 == 0, got {k}")
         amax_a = amax_b = _empty(jnp.float32)
-    if _use_wgmma(fa, fb, k, kernel, name):
+    if _use_wgmma(fa, fb, k, kernel, name, groups=g):
         out_dtype, bias_, c, aliases = _grouped_tail(t, g, n, out_dtype, bias, accumulate, name, 6)
         if not _registered():
             raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
