@@ -164,8 +164,8 @@ def test_partial_k_blocks(recipe, k):
 
 
 def test_dispatch_table_uses_kernels():
-    pairs = G.register_gpu_gemms()
-    assert set(pairs) == set(G.VERIFIED)
+    pairs = table.register_gpu_gemms()
+    assert set(pairs) == set(table.gpu_kernels())
     for recipe in ("fp8", "fp8_block", "mxfp8", "nvfp4"):
         a, b, seed = _operands(recipe, "forward", 17)
         fn = table.lookup(table.family(a), table.family(b), "gpu")
@@ -175,7 +175,7 @@ def test_dispatch_table_uses_kernels():
 
 
 def test_unsupported_shapes_fall_back():
-    G.register_gpu_gemms()
+    table.register_gpu_gemms()
     a, b, seed = _operands("fp8", "wgrad", 1000)  # contraction 1000 % 16 != 0: no FP8 GEMM
     with pytest.raises(G.GemmUnsupported):
         G.fp8_gemm(a, b, jnp.float32)
@@ -224,7 +224,7 @@ def test_dense_op_uses_kernels(recipe):
     2.55% loss difference for mxfp8, equal to 5 digits to the quantized-vs-unquantized gap on the CPU)."""
     from jaxhq import recipes
     from jaxhq.ops import dense
-    G.register_gpu_gemms()
+    table.register_gpu_gemms()
     qs = recipes.get(recipe).dense_quantizers("layer")
     rng, seed = _rng()
     x = jnp.asarray(rng.standard_normal((256, K_)), jnp.float32)
@@ -242,7 +242,7 @@ def test_dense_op_uses_kernels(recipe):
         def reference(a, b, out_dtype):
             a, b = jax.lax.optimization_barrier((a, b))
             return table.dequantized_dot(a, b, out_dtype)
-        for fa, fb in G.VERIFIED:
+        for fa, fb in table.gpu_kernels():
             table.register(fa, fb, reference, platform="gpu")
         want = run()
     finally:
@@ -253,3 +253,120 @@ def test_dense_op_uses_kernels(recipe):
         err = float(np.linalg.norm(a - b) / np.linalg.norm(b))
         ERRORS.append({"case": f"dense {recipe} {name} seed={seed}", "rel_err": err})
         assert np.isfinite(a).all() and err < 2e-3, f"dense {recipe} {name}: {err:.3e} (seed {seed})"
+
+
+# ---- MXFP8 on FP8 wgmma (Hopper). Same bound as above: the operands are exact, each 32-wide K step's wgmma
+# partial is scaled by sa * sb (a power of two, exact) and added in fp32, so the error is the tensor core's
+# accumulation inside one 32-wide step plus fp32 sums (cuBLASLt's FP8 path, which promotes less often, shows
+# ~1.3e-4 at K = 256); 2e-3 (fp32) / 5e-3 (bf16 output rounding) leave room, a wrong scale, swizzle or
+# fragment index gives O(1).
+
+def _hopper_only():
+    if not G._hopper():
+        pytest.skip("the MXFP8 wgmma kernel is sm_90a only")
+
+
+def _poisoned_call(fn, *args, shape, dtype):
+    """Runs fn after freeing a NaN buffer of the output's size, so that XLA's allocator most likely hands the
+    kernel NaN-filled memory: an output element the kernel fails to write stays NaN and fails the check."""
+    poison = jnp.full(shape, jnp.nan, dtype).block_until_ready()
+    del poison
+    return fn(*args)
+
+
+MX_CASES = [(recipe, gemm, m) for recipe in ("mxfp8", "mxfp8_e5m2_grads") for gemm, m in
+            [("forward", 1), ("forward", 17), ("forward", 1000), ("dgrad", 17), ("dgrad", 1000),
+             ("wgrad", 128), ("wgrad", 1008), ("wgrad", 2048)]]
+
+
+@pytest.mark.parametrize("recipe,gemm,m", MX_CASES, ids=[f"{r}-{g}-{m}" for r, g, m in MX_CASES])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_mxfp8_wgmma(recipe, gemm, m, dtype):
+    """Forward (E4M3 x E4M3), dgrad (E4M3/E5M2 grads x E4M3 weights) and wgrad (E4M3 x E4M3/E5M2) layouts; odd
+    M and partial 128-row tiles; wgrad M = 1008 contracts a partial 1x32 block, 2048 runs the 5-stage ring
+    around more than once."""
+    _hopper_only()
+    a, b, seed = _operands(recipe, gemm, m)
+    fn = jax.jit(lambda a, b: G.blockscaled_gemm(a, b, dtype, kernel="wgmma"))
+    out = _poisoned_call(fn, a, b, shape=(a.shape[0], b.shape[0]), dtype=dtype)
+    _check(out, _reference(a, b), dtype, f"wgmma {recipe} {gemm} M={m} {jnp.dtype(dtype).name} seed={seed}")
+
+
+@pytest.mark.parametrize("m,k,n", [(300, 2048, 200), (129, 320, 136), (1, 16, 8), (4096, 1024, 512)])
+def test_mxfp8_wgmma_shapes(m, k, n):
+    """Partial tiles along M and N (N = 200, 136 < 2 x 128), K = 320 (a partial 128-wide K tile), K = 16 (one
+    partial MX block), and a shape with many CTAs."""
+    _hopper_only()
+    rng, seed = _rng()
+    x = jnp.asarray(rng.standard_normal((m, k)) * 3, jnp.float32)
+    w = jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32)
+    a = quantize(x, MXFP8("e5m2"), "rowwise").rowwise
+    b = quantize(w, MXFP8("e4m3"), "rowwise").rowwise
+    fn = jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.float32, kernel="wgmma"))
+    out = _poisoned_call(fn, a, b, shape=(m, n), dtype=jnp.float32)
+    _check(out, _reference(a, b), jnp.float32, f"wgmma {m}x{k}x{n} seed={seed}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_mxfp8_wgmma_bias_accumulate(dtype):
+    """out = c + A @ B.T + bias with c random: an element the kernel does not write keeps c and fails."""
+    _hopper_only()
+    a, b, seed = _operands("mxfp8", "forward", 1000)
+    rng = np.random.default_rng(seed)
+    ref = _reference(a, b)
+    scale = np.abs(ref).mean()
+    c = jnp.asarray(rng.standard_normal(ref.shape) * scale, dtype)
+    bias = jnp.asarray(rng.standard_normal(ref.shape[1]) * scale, dtype)
+    fn = jax.jit(lambda a, b, c, bias: G.blockscaled_gemm(a, b, dtype, bias=bias, accumulate=c, kernel="wgmma"))
+    want = ref + np.asarray(c, np.float64) + np.asarray(bias, np.float64)[None, :]
+    _check(fn(a, b, c, bias), want, dtype, f"wgmma bias+accumulate {jnp.dtype(dtype).name} seed={seed}")
+
+
+def test_mxfp8_auto_uses_wgmma():
+    """On a Hopper the default MXFP8 path (and so the dispatch table) is the wgmma kernel; K % 16 != 0 falls
+    back to the dequantize path."""
+    _hopper_only()
+    a, b, _ = _operands("mxfp8", "forward", 17)
+    hlo = jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.float32)).lower(a, b).as_text()
+    assert G.MX_TARGET in hlo
+    a, b, _ = _operands("mxfp8", "wgrad", 1000)  # contraction 1000 % 16 != 0
+    hlo = jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.float32)).lower(a, b).as_text()
+    assert G.MX_TARGET not in hlo and G.DQ_TARGET in hlo
+    with pytest.raises(G.GemmUnsupported, match="multiple of 16"):
+        G.blockscaled_gemm(a, b, jnp.float32, kernel="wgmma")
+
+
+@pytest.mark.parametrize("sizes", [[5, 0, 700, 200], [128, 256, 1, 127, 300], [0, 0], [600, 600]],
+                         ids=["ragged", "tile-edges", "empty", "clamped"])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "accumulate"])
+def test_mxfp8_wgmma_grouped(sizes, accumulate):
+    """Groups read on the device: ragged sizes, group edges on and off 128-row tiles, all-empty groups
+    (every row past them) and sizes past T = 1000 (clamped like the host path: the second group gets 400)."""
+    _hopper_only()
+    rng, seed = _rng()
+    t, k, n = 1000, 512, 264
+    x = jnp.asarray(rng.standard_normal((t, k)), jnp.float32)
+    a = quantize(x, MXFP8("e4m3"), "rowwise").rowwise
+    bs = [quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32), MXFP8("e4m3"), "rowwise").rowwise
+          for _ in sizes]
+    bias = jnp.asarray(rng.standard_normal((len(sizes), n)), jnp.float32)
+    c = jnp.asarray(rng.standard_normal((t, n)), jnp.float32) if accumulate else None
+    fn = jax.jit(lambda a, bs, gs, bias, c: G.grouped_gemm(a, bs, gs, jnp.float32, bias=bias, accumulate=c,
+                                                           kernel="wgmma"))
+    hlo = fn.lower(a, bs, jnp.asarray(sizes, jnp.int32), bias, c).as_text()
+    assert G.MX_TARGET + "_grouped" in hlo
+    out = _poisoned_call(fn, a, bs, jnp.asarray(sizes, jnp.int32), bias, c, shape=(t, n), dtype=jnp.float32)
+    out = np.asarray(out, np.float64)
+    av = _dequant64(a)
+    ref = np.zeros((t, n)) if c is None else np.asarray(c, np.float64).copy()
+    start = 0
+    for g, size in enumerate(sizes):
+        size = min(size, t - start)
+        rows = slice(start, start + size)
+        ref[rows] += av[rows] @ _dequant64(bs[g]).T + np.asarray(bias[g], np.float64)[None, :]
+        start += size
+    if not accumulate:
+        assert (out[start:] == 0).all(), "rows past the groups must be zero"
+    if start == 0 and not accumulate:
+        return
+    _check(out, ref, jnp.float32, f"wgmma grouped {sizes} accumulate={accumulate} seed={seed}")

@@ -1,15 +1,18 @@
 """GPU GEMM kernels through XLA FFI: A @ B.T on the quantized storages exactly as the quantizers lay them out.
 
 `fp8_gemm` (per-tensor FP8, and FP8 blockwise 1x128 / 128x128) runs one cuBLASLt FP8 GEMM that reads the
-scales on the device; `blockscaled_gemm` (MXFP8, NVFP4) dequantizes both operands exactly to bf16 in XLA
-scratch memory and runs a cuBLASLt bf16 GEMM with the NVFP4 global scales as a device-side alpha. Each takes
+scales on the device; `blockscaled_gemm` runs MXFP8 on Hopper on FP8 tensor cores (`wgmma`, the 1x32 scales
+applied in FP32 registers per K step), and otherwise (NVFP4; other GPUs; K % 16 != 0) dequantizes both
+operands exactly to bf16 in XLA scratch memory and runs a cuBLASLt bf16 GEMM with the NVFP4 global scales as
+a device-side alpha. Each takes
 an optional bias [N] and an optional `accumulate` array [M, N] that the result is added into (aliased, for
 wgrad accumulation). `grouped_gemm` runs the ragged MoE version of either in one FFI call.
-`register_gpu_gemms()` puts them into the dense op's dispatch table for the pairs whose GPU test passes;
-unsupported shapes fall back to the XLA path that was registered before. See docs/gemm.md.
+This module does not know the dispatch table: `jaxhq.ops.gemm` imports it and registers these kernels
+(the dependency runs one way). Operands a kernel cannot take raise `GemmUnsupported`. See docs/gemm.md.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -19,7 +22,8 @@ from jax import lax
 
 from ..formats import Storage
 
-FP8_TARGET, DQ_TARGET = "jaxhq_gemm_fp8", "jaxhq_gemm_dq"
+FP8_TARGET, DQ_TARGET, MX_TARGET = "jaxhq_gemm_fp8", "jaxhq_gemm_dq", "jaxhq_gemm_mxfp8"
+KERNELS = ("auto", "wgmma", "dequantize")  # the MXFP8 kernel choices of blockscaled_gemm / grouped_gemm
 MODE_TENSOR, MODE_VEC128, MODE_BLK128 = 0, 1, 2
 FMT_MX_E4M3, FMT_MX_E5M2, FMT_NVFP4 = 1, 2, 3
 # cuBLASLt's block-scale layout: 1x128 scales M-major [K/128, roundup(M, 4)], 128x128 scales K-major
@@ -118,11 +122,37 @@ def _u8(x):
     return x if x.dtype == jnp.uint8 else lax.bitcast_convert_type(x, jnp.uint8)
 
 
-def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=None, accumulate=None):
+@functools.lru_cache(maxsize=None)
+def _hopper() -> bool:
+    """True when the default GPU is a Hopper (compute capability 9.x), where the sm_90a wgmma kernel runs."""
+    try:
+        cc = str(getattr(jax.devices("gpu")[0], "compute_capability", ""))
+    except RuntimeError:
+        return False
+    return cc.split(".")[0] == "9"
+
+
+def _use_wgmma(fa: int, fb: int, k: int, kernel: str, name: str, groups: int = 0) -> bool:
+    """Whether an MXFP8 pair runs on the FP8-wgmma kernel: `kernel` "auto" picks it where it applies (Hopper,
+    MXFP8 on both sides, K % 16 == 0 for TMA rows, <= 1024 groups), "wgmma" requires it, "dequantize" never."""
+    if kernel not in KERNELS:
+        raise ValueError(f"{name}: kernel must be one of {KERNELS}, got {kernel!r}")
+    mx = fa != FMT_NVFP4 and fb != FMT_NVFP4
+    why = ("not MXFP8 x MXFP8" if not mx else f"K = {k} is not a positive multiple of 16" if k <= 0 or k % 16
+           else f"{groups} groups (at most 1024)" if groups > 1024
+           else "the GPU is not a Hopper (sm_90a)" if not _hopper() else "")
+    if kernel == "wgmma" and why:
+        raise GemmUnsupported(f"{name}: the MXFP8 wgmma kernel does not apply: {why}")
+    return kernel != "dequantize" and not why
+
+
+def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=None, accumulate=None,
+                     kernel: str = "auto"):
     """A @ B.T (+ bias) (+ accumulate) for MXFP8 x MXFP8 (E4M3/E5M2) or NVFP4 x NVFP4 storages.
 
-    NVFP4 with the Hadamard transform on both operands contracts in the transformed domain (it cancels);
-    on exactly one operand it is unsupported.
+    MXFP8 runs on the FP8-wgmma kernel where it applies (see `_use_wgmma`; `kernel` forces a path), else the
+    exact dequantize + bf16 GEMM. NVFP4 with the Hadamard transform on both operands contracts in the
+    transformed domain (it cancels); on exactly one operand it is unsupported.
     """
     name = "block-scaled GEMM"
     fa, fb = _dq_fmt(a, name), _dq_fmt(b, name)
@@ -131,6 +161,14 @@ def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=Non
         raise GemmUnsupported(f"{name}: K differs: A {a.shape} ({a.format}), B {b.shape} ({b.format})")
     if (fa == FMT_NVFP4) != (fb == FMT_NVFP4):
         raise GemmUnsupported(f"{name}: no kernel for {a.format} x {b.format}")
+    if _use_wgmma(fa, fb, k, kernel, name):
+        out_dtype, bias_, c, aliases = _out_tail(m, n, out_dtype, bias, accumulate, name)
+        if not _registered():
+            raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
+        call = jax.ffi.ffi_call(MX_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype), input_output_aliases=aliases,
+                                vmap_method="sequential")
+        return call(_u8(a.data), _u8(a.scale_inv), _u8(b.data), _u8(b.scale_inv), bias_, c, fmt_a=np.int32(fa),
+                    fmt_b=np.int32(fb), k=np.int64(k), accumulate=np.int32(accumulate is not None))
     if fa == FMT_NVFP4:
         if a.quantizer.uses_rht(a.axis) != b.quantizer.uses_rht(b.axis):
             raise GemmUnsupported(f"{name}: the Hadamard transform is on one operand only")
@@ -153,10 +191,11 @@ def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=Non
 
 
 def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=None, accumulate=None,
-                 fast_accum: bool = False):
+                 fast_accum: bool = False, kernel: str = "auto"):
     """Ragged grouped GEMM for MoE in one FFI call: out[t] = A[t] @ bs[g(t)].T for A [T, K] sorted by group,
     G weight storages [N, K] (one format), group_sizes [G] int32 (rows past their sum give 0, or keep
-    `accumulate`), bias [G, N]. The call reads group_sizes on the host (one stream synchronisation).
+    `accumulate`), bias [G, N]. MXFP8 on the wgmma kernel reads group_sizes on the device (no host
+    synchronisation); the cuBLASLt paths read them on the host (one stream synchronisation).
     """
     name = "grouped GEMM"
     bs = list(bs)
@@ -201,6 +240,15 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
         if k % 8:
             raise GemmUnsupported(f"{name}: MXFP8 needs K % 8 == 0, got {k}")
         amax_a = amax_b = _empty(jnp.float32)
+    if _use_wgmma(fa, fb, k, kernel, name, groups=g):
+        out_dtype, bias_, c, aliases = _grouped_tail(t, g, n, out_dtype, bias, accumulate, name, 6)
+        if not _registered():
+            raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
+        call = jax.ffi.ffi_call(MX_TARGET + "_grouped", jax.ShapeDtypeStruct((t, n), out_dtype),
+                                input_output_aliases=aliases, vmap_method="sequential")
+        return call(_u8(a.data), _u8(a.scale_inv), jnp.stack([_u8(s.data) for s in bs]),
+                    jnp.stack([_u8(s.scale_inv) for s in bs]), sizes, bias_, c, fmt_a=np.int32(fa),
+                    fmt_b=np.int32(fb), k=np.int64(k), accumulate=np.int32(accumulate is not None))
     out_dtype, bias_, c, aliases = _grouped_tail(t, g, n, out_dtype, bias, accumulate, name, 8)
     if not _registered():
         raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
@@ -217,40 +265,3 @@ def _grouped_tail(t, g, n, out_dtype, bias, accumulate, name, c_index):
     out_dtype, _, c, aliases = _out_tail(t, n, out_dtype, None, accumulate, name)
     b = _empty(out_dtype) if bias is None else jnp.asarray(bias, out_dtype).reshape(g, n)
     return out_dtype, b, c, ({c_index: 0} if aliases else {})
-
-def _with_fallback(kernel, fallback):
-    """A dispatch-table entry: the kernel where it applies, else the previously registered implementation."""
-    def fn(a: Storage, b: Storage, out_dtype):
-        try:
-            return kernel(a, b, out_dtype)
-        except GemmUnsupported:
-            return fallback(a, b, out_dtype)
-    fn.__name__ = f"gpu_{kernel.__name__}"
-    return fn
-
-
-# Pairs whose kernel passed tests/test_gemm_gpu.py on an H100 (see docs/gemm.md for the run).
-VERIFIED = {("fp8", "fp8"): fp8_gemm, ("fp8_block", "fp8_block"): fp8_gemm,
-            ("mxfp8", "mxfp8"): blockscaled_gemm, ("nvfp4", "nvfp4"): blockscaled_gemm}
-
-
-def register_gpu_gemms() -> list:
-    """Registers the verified kernels in jaxhq.ops.gemm's table for platform "gpu"; returns the pairs.
-
-    Does nothing (returns []) without a GPU or when the kernels are not built. Safe to call more than once.
-    """
-    import importlib
-    table = importlib.import_module("jaxhq.ops.gemm")  # the module (jaxhq.ops.gemm is also a function name)
-    if not available():
-        return []
-    done = []
-    for (fa, fb), kernel in VERIFIED.items():
-        prev = table.lookup(fa, fb, "gpu")
-        if getattr(prev, "_jaxhq_ffi_gemm", False):
-            done.append((fa, fb))
-            continue
-        fn = _with_fallback(kernel, prev or table.dequantized_dot)
-        fn._jaxhq_ffi_gemm = True
-        table.register(fa, fb, fn, platform="gpu")
-        done.append((fa, fb))
-    return done

@@ -85,10 +85,44 @@ def platform() -> str:
     return "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu"
 
 
+def _with_fallback(kernel, fallback):
+    """A table entry: the FFI kernel where it applies, else the previously registered implementation."""
+    from ..ffi.gemm import GemmUnsupported
+
+    def fn(a: Storage, b: Storage, out_dtype):
+        try:
+            return kernel(a, b, out_dtype)
+        except GemmUnsupported:
+            return fallback(a, b, out_dtype)
+    fn.__name__ = f"gpu_{kernel.__name__}"
+    fn._jaxhq_ffi_gemm = True
+    return fn
+
+
+def gpu_kernels() -> dict:
+    """{(format of A, format of B): FFI kernel} for the pairs whose kernel passed tests/test_gemm_gpu.py on an H100."""
+    from ..ffi import gemm as K
+    return {("fp8", "fp8"): K.fp8_gemm, ("fp8_block", "fp8_block"): K.fp8_gemm,
+            ("mxfp8", "mxfp8"): K.blockscaled_gemm, ("nvfp4", "nvfp4"): K.blockscaled_gemm}
+
+
+def register_gpu_gemms() -> list:
+    """Registers the FFI kernels (jaxhq.ffi.gemm) for platform "gpu", each falling back to the entry it
+    replaces; returns the pairs. Does nothing (returns []) without a GPU or unbuilt kernels. Idempotent."""
+    from ..ffi import gemm as K
+    if not K.available():
+        return []
+    done = []
+    for (fa, fb), kernel in gpu_kernels().items():
+        prev = lookup(fa, fb, "gpu")
+        if not getattr(prev, "_jaxhq_ffi_gemm", False):
+            register(fa, fb, _with_fallback(kernel, prev or dequantized_dot), platform="gpu")
+        done.append((fa, fb))
+    return done
+
+
 @functools.lru_cache(maxsize=None)
 def _register_gpu_kernels() -> tuple:
-    """Puts the FFI GEMM kernels (jaxhq.ffi.gemm) into the table once, when they are built and a GPU is present."""
-    from ..ffi.gemm import register_gpu_gemms
     return tuple(register_gpu_gemms())
 
 

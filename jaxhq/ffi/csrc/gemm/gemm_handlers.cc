@@ -3,6 +3,8 @@
 //                   (Hopper, cuBLASLt >= 12.9) 1x128 / 128x128 fp32 block scales re-laid-out in scratch.
 //   jaxhq_gemm_dq:  MXFP8 or NVFP4 dequantized exactly to bf16 in scratch, then a cuBLASLt bf16 GEMM with
 //                   the NVFP4 global scales as alpha on the device.
+//   jaxhq_gemm_mxfp8: MXFP8 on Hopper FP8 tensor cores (mxfp8_wgmma.cu), the 1x32 scales applied in registers;
+//                   its grouped version reads the group sizes on the device (no host synchronisation).
 // Optional bias [N] and accumulate-into (out aliases the `c` input). Workspace and temporaries come from
 // XLA's scratch allocator. cuBLASLt row-major trick: D^T[N, M] = op(B_data)^T ... i.e. cuBLAS's A is our B
 // (transposed), cuBLAS's B is our A.
@@ -17,6 +19,7 @@
 
 #include "cublaslt.h"
 #include "gemm_kernels.h"
+#include "mxfp8_wgmma.h"
 #include "registry.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -690,6 +693,66 @@ ffi::Error gemm_dq_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi
   };
   return run_groups(stream, scratch, c, starts, sizes, t, c.d, c.bias, out_bytes, size_t(k) * 2, per_group);
 }
+// ---- MXFP8 on FP8 wgmma (Hopper). Dense: A [M, K], B [N, K]; grouped: A [T, K], B [G, N, K], group_sizes [G]
+// read by the kernel on the device, so the call never synchronises the stream.
+ffi::Error mx_operand(const ffi::AnyBuffer& x, const ffi::AnyBuffer& s, int64_t groups, int64_t rows, int32_t fmt,
+                      int64_t k, const char* which, gemm::Mxfp8Operand* op) {
+  if (fmt != kMxE4M3 && fmt != kMxE5M2)
+    return invalid(std::string(which) + ": the MXFP8 kernel takes E4M3/E5M2 MXFP8 only (format id " + std::to_string(fmt) + ")");
+  if (auto e = check_dq(x, s, groups, rows, fmt, k, which); e.failure()) return e;
+  *op = gemm::Mxfp8Operand{static_cast<const uint8_t*>(x.untyped_data()), static_cast<const uint8_t*>(s.untyped_data()),
+                           groups * rows, fmt == kMxE5M2};
+  return ffi::Error::Success();
+}
+
+ffi::Error run_mxfp8(cudaStream_t stream, Scratch& scratch, const gemm::Mxfp8Operand& a, const gemm::Mxfp8Operand& b,
+                     int64_t n, int64_t k, const int32_t* gs, int64_t groups, const LtCall& c) {
+  void* sa = scratch.get(gemm::mxfp8_scale_bytes(a.rows, k));
+  void* sb = scratch.get(gemm::mxfp8_scale_bytes(b.rows, k));
+  if (!sa || !sb) return internal("scratch allocation of the MXFP8 scales failed");
+  std::string e = gemm::mxfp8_wgmma_gemm(a, b, n, k, gs, groups, c.d, c.out_type == lt::kR32F, c.bias, c.accumulate, sa,
+                                         sb, stream);
+  return e.empty() ? ffi::Error::Success() : invalid("MXFP8 wgmma GEMM: " + e);
+}
+
+ffi::Error gemm_mxfp8(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi::AnyBuffer a, ffi::AnyBuffer sa,
+                      ffi::AnyBuffer b, ffi::AnyBuffer sb, ffi::AnyBuffer bias, ffi::AnyBuffer cin,
+                      ffi::Result<ffi::AnyBuffer> out, int32_t fmt_a, int32_t fmt_b, int64_t k, int32_t accumulate) {
+  Scratch scratch{alloc};
+  auto da = a.dimensions(), db = b.dimensions();
+  if (da.size() != 2 || db.size() != 2) return invalid("MXFP8: A and B data must be 2D, got " + dims(a) + " and " + dims(b));
+  gemm::Mxfp8Operand oa, ob;
+  if (auto e = mx_operand(a, sa, 1, da[0], fmt_a, k, "A", &oa); e.failure()) return e;
+  if (auto e = mx_operand(b, sb, 1, db[0], fmt_b, k, "B", &ob); e.failure()) return e;
+  LtCall c{};
+  if (auto e = check_out(da[0], db[0], bias, cin, out, accumulate, &c); e.failure()) return e;
+  return run_mxfp8(stream, scratch, oa, ob, db[0], k, nullptr, 0, c);
+}
+
+ffi::Error gemm_mxfp8_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi::AnyBuffer a, ffi::AnyBuffer sa,
+                              ffi::AnyBuffer b, ffi::AnyBuffer sb, ffi::AnyBuffer gs, ffi::AnyBuffer bias,
+                              ffi::AnyBuffer cin, ffi::Result<ffi::AnyBuffer> out, int32_t fmt_a, int32_t fmt_b,
+                              int64_t k, int32_t accumulate) {
+  Scratch scratch{alloc};
+  auto da = a.dimensions(), db = b.dimensions();
+  if (da.size() != 2 || db.size() != 3)
+    return invalid("grouped MXFP8: A must be [T, K] and B [G, N, K] data, got " + dims(a) + " and " + dims(b));
+  const int64_t t = da[0], groups = db[0], n = db[1];
+  if (gs.element_type() != ffi::DataType::S32 || int64_t(gs.element_count()) != groups)
+    return invalid("group_sizes must be int32 [" + std::to_string(groups) + "], got " + dims(gs));
+  gemm::Mxfp8Operand oa, ob;
+  if (auto e = mx_operand(a, sa, 1, t, fmt_a, k, "A", &oa); e.failure()) return e;
+  if (auto e = mx_operand(b, sb, groups, n, fmt_b, k, "B", &ob); e.failure()) return e;
+  LtCall c{};
+  if (auto e = check_grouped_out(t, groups, n, bias, cin, out, accumulate, &c); e.failure()) return e;
+  if (groups == 0) {  // no groups: every row is past them
+    if (!c.accumulate && t * n > 0 &&
+        cudaMemsetAsync(c.d, 0, size_t(t * n) * (c.out_type == lt::kR32F ? 4 : 2), stream) != cudaSuccess)
+      return internal("zeroing the output failed");
+    return ffi::Error::Success();
+  }
+  return run_mxfp8(stream, scratch, oa, ob, n, k, static_cast<const int32_t*>(gs.untyped_data()), groups, c);
+}
 }  // namespace
 }  // namespace jaxhq
 
@@ -767,6 +830,39 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_dq_grouped, jaxhq::gemm_dq_grouped
                                   .Attr<int64_t>("k")
                                   .Attr<int32_t>("accumulate"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_mxfp8, jaxhq::gemm_mxfp8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()  // a data [M, K] (uint8 codes)
+                                  .Arg<ffi::AnyBuffer>()  // a E8M0 scales [M, ceil(K/32)]
+                                  .Arg<ffi::AnyBuffer>()  // b data [N, K]
+                                  .Arg<ffi::AnyBuffer>()  // b scales
+                                  .Arg<ffi::AnyBuffer>()  // bias [N] or [0]
+                                  .Arg<ffi::AnyBuffer>()  // c
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("fmt_a")
+                                  .Attr<int32_t>("fmt_b")
+                                  .Attr<int64_t>("k")
+                                  .Attr<int32_t>("accumulate"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_mxfp8_grouped, jaxhq::gemm_mxfp8_grouped,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()  // a data [T, K]
+                                  .Arg<ffi::AnyBuffer>()  // a scales
+                                  .Arg<ffi::AnyBuffer>()  // b data [G, N, K]
+                                  .Arg<ffi::AnyBuffer>()  // b scales [G, N, ceil(K/32)]
+                                  .Arg<ffi::AnyBuffer>()  // group_sizes [G] int32 (read on the device)
+                                  .Arg<ffi::AnyBuffer>()  // bias [G, N] or [0]
+                                  .Arg<ffi::AnyBuffer>()  // c
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("fmt_a")
+                                  .Attr<int32_t>("fmt_b")
+                                  .Attr<int64_t>("k")
+                                  .Attr<int32_t>("accumulate"));
+
 namespace jaxhq {
 const GemmHandler* gemm_cuda_handlers() {
   static const GemmHandler table[] = {
@@ -774,6 +870,8 @@ const GemmHandler* gemm_cuda_handlers() {
       {"jaxhq_gemm_dq", reinterpret_cast<void*>(jaxhq_cuda_gemm_dq)},
       {"jaxhq_gemm_fp8_grouped", reinterpret_cast<void*>(jaxhq_cuda_gemm_fp8_grouped)},
       {"jaxhq_gemm_dq_grouped", reinterpret_cast<void*>(jaxhq_cuda_gemm_dq_grouped)},
+      {"jaxhq_gemm_mxfp8", reinterpret_cast<void*>(jaxhq_cuda_gemm_mxfp8)},
+      {"jaxhq_gemm_mxfp8_grouped", reinterpret_cast<void*>(jaxhq_cuda_gemm_mxfp8_grouped)},
       {nullptr, nullptr},
   };
   return table;

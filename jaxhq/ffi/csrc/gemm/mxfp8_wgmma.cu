@@ -1,0 +1,395 @@
+// MXFP8 x MXFP8 GEMM on Hopper FP8 tensor cores; see mxfp8_wgmma.h and docs/gemm.md ("MXFP8 on FP8 wgmma").
+//
+// One CTA computes a 128 x 128 output tile with three warpgroups: warpgroup 0 (one thread) streams 128-wide K
+// tiles of A, B and their scales into a 5-stage shared-memory ring with TMA (128-byte swizzle, completion on
+// mbarriers); warpgroups 1 and 2 each own 64 rows. Per 32-wide K step (one MX block) a consumer runs one
+// m64n128k32 FP8 wgmma into a fresh partial accumulator, waits for it, and adds partial * (sa[m] * sb[n]) into
+// its FP32 accumulator. The two consumers interleave, so one's FP32 scaling overlaps the other's wgmma.
+// The scales are re-laid-out first by a small kernel into fp32 [ceil(K/128)][4][rows rounded to 4] (blocks past
+// K are 0, so a partial last K tile adds 0 x 0; TMA fills data past K and past the last row with zeros).
+// CUTLASS's sm90 blockwise-scaled mainloop cannot do this (its K scale granularity must span >= 4 wgmma
+// K steps, i.e. >= 128 for FP8), hence the hand-written mainloop in PTX.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+
+#include <mutex>
+
+#include "mxfp8_wgmma.h"
+
+namespace jaxhq {
+namespace gemm {
+namespace {
+
+constexpr int kBM = 128, kBN = 128, kBK = 128, kStages = 5, kThreads = 384;
+constexpr int kABytes = kBM * kBK, kBBytes = kBN * kBK;            // one byte per FP8 code
+constexpr int kSABytes = 4 * kBM * 4, kSBBytes = 4 * kBN * 4;      // 4 MX blocks x rows x fp32
+constexpr int kStageBytes = kABytes + kBBytes + kSABytes + kSBBytes;  // 36 KiB, a multiple of 1024
+constexpr int kSmemBytes = kStages * kStageBytes + 1024 + 2 * kStages * 8;
+static_assert(kStageBytes % 1024 == 0, "stages must keep the 1024-byte alignment of 128-byte swizzling");
+
+__host__ __device__ inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+__host__ __device__ inline int64_t rows4(int64_t r) { return (r + 3) / 4 * 4; }
+
+struct Params {
+  void* out;
+  const void* bias;
+  const int32_t* group_sizes;
+  int64_t m, n, k;
+  int32_t groups, accumulate;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* b, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* b, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred P1;\nLAB_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(smem_u32(b)),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int x, int y) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+      ::"r"(smem_u32(dst)), "l"(map), "r"(smem_u32(bar)), "r"(x), "r"(y) : "memory");
+}
+__device__ __forceinline__ void tma_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int x, int y, int z) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];"
+      ::"r"(smem_u32(dst)), "l"(map), "r"(smem_u32(bar)), "r"(x), "r"(y), "r"(z) : "memory");
+}
+
+// wgmma shared-memory descriptor of a K-major tile with 128-byte swizzling (8-row core groups 1024 bytes apart).
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+#define WGMMA_BODY \
+"{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32." TA "." TB " " \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n" \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
+      : "l"(da), "l"(db), "r"(scale_d)
+
+template <bool kE5M2A, bool kE5M2B>
+__device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (kE5M2A && kE5M2B) {
+#define TA "e5m2"
+#define TB "e5m2"
+    asm volatile(WGMMA_BODY);
+#undef TA
+#undef TB
+  } else if constexpr (kE5M2A) {
+#define TA "e5m2"
+#define TB "e4m3"
+    asm volatile(WGMMA_BODY);
+#undef TA
+#undef TB
+  } else if constexpr (kE5M2B) {
+#define TA "e4m3"
+#define TB "e5m2"
+    asm volatile(WGMMA_BODY);
+#undef TA
+#undef TB
+  } else {
+#define TA "e4m3"
+#define TB "e4m3"
+    asm volatile(WGMMA_BODY);
+#undef TA
+#undef TB
+  }
+}
+
+// Keeps the compiler from moving accesses of `r` across a wgmma wait (the tensor core writes it asynchronously).
+__device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+__device__ __forceinline__ float e8m0_value(uint8_t e) {  // 2^(e - 127); 0xFF is NaN
+  if (e == 0xFF) return __int_as_float(0x7FC00000);
+  if (e == 0) return __int_as_float(0x00400000);
+  return __int_as_float(int(e) << 23);
+}
+
+// E8M0 [rows, ceil(k/32)] -> fp32 [ceil(k/128)][4][rows4(rows)], zero past K and past the last row.
+__global__ void tile_scales_kernel(const uint8_t* __restrict__ s, int64_t rows, int64_t k, int64_t ld,
+                                   float* __restrict__ out) {
+  const int64_t nb = cdiv(k, 32), total = cdiv(k, 128) * 4 * ld;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i % ld, blk = i / ld;  // blk = kt * 4 + j
+    out[i] = (r < rows && blk < nb) ? e8m0_value(s[r * nb + blk]) : 0.0f;
+  }
+}
+
+// A group's rows as the host path counts them: negative sizes are 0, and no group runs past the rows there are.
+__device__ __forceinline__ int64_t clamp_size(int32_t size, int64_t left) {
+  const int64_t v = size < 0 ? 0 : size;
+  return v < left ? v : left;
+}
+
+// Zeroes out rows [sum of the clamped group sizes, m) of out [m, n] (elem_bytes 2 or 4).
+__global__ void zero_past_groups_kernel(void* out, const int32_t* __restrict__ gs, int groups, int64_t m, int64_t n,
+                                        int elem_bytes) {
+  __shared__ int64_t used;
+  if (threadIdx.x == 0) {
+    int64_t at = 0;
+    for (int g = 0; g < groups; ++g) at += clamp_size(gs[g], m - at);
+    used = at;
+  }
+  __syncthreads();
+  const int64_t begin = used * n, end = m * n;
+  for (int64_t i = begin + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < end; i += int64_t(gridDim.x) * blockDim.x) {
+    if (elem_bytes == 4) static_cast<float*>(out)[i] = 0.0f;
+    else static_cast<uint16_t*>(out)[i] = 0;
+  }
+}
+
+template <bool kF32>
+__device__ __forceinline__ void store_pair(void* out, int64_t idx, float v0, float v1, const void* bias, int64_t bi,
+                                           bool accumulate) {
+  if constexpr (kF32) {
+    float2* p = reinterpret_cast<float2*>(static_cast<float*>(out) + idx);
+    if (bias) v0 += static_cast<const float*>(bias)[bi], v1 += static_cast<const float*>(bias)[bi + 1];
+    if (accumulate) {
+      const float2 o = *p;
+      v0 += o.x, v1 += o.y;
+    }
+    *p = make_float2(v0, v1);
+  } else {
+    __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(out) + idx);
+    if (bias) {
+      const __nv_bfloat16* b = static_cast<const __nv_bfloat16*>(bias) + bi;
+      v0 += __bfloat162float(b[0]), v1 += __bfloat162float(b[1]);
+    }
+    if (accumulate) {
+      const float2 o = __bfloat1622float2(*p);
+      v0 += o.x, v1 += o.y;
+    }
+    *p = __floats2bfloat162_rn(v0, v1);
+  }
+}
+
+template <bool kE5M2A, bool kE5M2B, bool kF32>
+__global__ void __launch_bounds__(kThreads, 1)
+    mxfp8_wgmma_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
+                       const __grid_constant__ CUtensorMap tm_sa, const __grid_constant__ CUtensorMap tm_sb,
+                       const Params p) {
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  __trap();  // wgmma and setmaxnreg exist on sm_90a only; the host never launches this elsewhere
+#else
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  uint64_t* empty = full + kStages;
+  __shared__ int64_t tile[3];  // first row, end of rows, group (-1: no tile)
+
+  if (threadIdx.x == 0) {
+    int64_t row0 = int64_t(blockIdx.y) * kBM, row_end = p.m, group = row0 < p.m ? 0 : -1;
+    if (p.groups > 0) {  // tile slot blockIdx.y -> (group, rows): groups take ceil(size / 128) slots in order
+      int64_t at = 0, slots = 0;
+      group = -1;
+      for (int g = 0; g < p.groups; ++g) {
+        const int64_t size = clamp_size(p.group_sizes[g], p.m - at);
+        const int64_t t = cdiv(size, kBM);
+        if (int64_t(blockIdx.y) < slots + t) {
+          row0 = at + (int64_t(blockIdx.y) - slots) * kBM, row_end = at + size, group = g;
+          break;
+        }
+        slots += t, at += size;
+      }
+    }
+    tile[0] = row0, tile[1] = row_end, tile[2] = group;
+    for (int s = 0; s < kStages; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 8);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+  const int64_t row0 = tile[0], row_end = tile[1], group = tile[2];
+  if (group < 0) return;
+  const int n0 = blockIdx.x * kBN;
+  const int brow0 = int(group * p.n) + n0;
+  const int ktiles = int(cdiv(p.k, kBK));
+  const int wg = threadIdx.x / 128;
+
+  if (wg == 0) {  // producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      for (int kt = 0; kt < ktiles; ++kt) {
+        const int s = kt % kStages;
+        if (kt >= kStages) mbar_wait(&empty[s], ((kt / kStages) - 1) & 1);
+        uint8_t* st = smem + s * kStageBytes;
+        mbar_expect_tx(&full[s], kStageBytes);
+        tma_2d(st, &tm_a, &full[s], kt * kBK, int(row0));
+        tma_2d(st + kABytes, &tm_b, &full[s], kt * kBK, brow0);
+        tma_3d(st + kABytes + kBBytes, &tm_sa, &full[s], int(row0), 0, kt);
+        tma_3d(st + kABytes + kBBytes + kSABytes, &tm_sb, &full[s], brow0, 0, kt);
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int cw = wg - 1, t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
+  const int rl = warp * 16 + lane / 4;  // this thread's rows in the warpgroup's 64: rl and rl + 8
+  const int cl = 2 * (lane % 4);        // its columns: 8 i + cl and 8 i + cl + 1, i < 16
+  float acc[64], d[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.0f, d[i] = 0.0f;
+
+  for (int kt = 0; kt < ktiles; ++kt) {
+    const int s = kt % kStages;
+    mbar_wait(&full[s], (kt / kStages) & 1);
+    uint8_t* st = smem + s * kStageBytes;
+    const uint32_t a_addr = smem_u32(st) + cw * 64 * kBK, b_addr = smem_u32(st + kABytes);
+    const float* sa = reinterpret_cast<const float*>(st + kABytes + kBBytes) + cw * 64;
+    const float* sb = reinterpret_cast<const float*>(st + kABytes + kBBytes + kSABytes);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // one MX block: 32 K = 32 bytes along the swizzled 128-byte rows
+#pragma unroll
+      for (int i = 0; i < 64; ++i) fence_operand(d[i]);
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+      wgmma_m64n128k32<kE5M2A, kE5M2B>(d, sw128_desc(a_addr + 32 * j), sw128_desc(b_addr + 32 * j), 0);
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+      for (int i = 0; i < 64; ++i) fence_operand(d[i]);
+      const float sa0 = sa[j * kBM + rl], sa1 = sa[j * kBM + rl + 8];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const float2 sbv = *reinterpret_cast<const float2*>(sb + j * kBN + 8 * i + cl);
+        acc[4 * i + 0] = fmaf(d[4 * i + 0], sa0 * sbv.x, acc[4 * i + 0]);
+        acc[4 * i + 1] = fmaf(d[4 * i + 1], sa0 * sbv.y, acc[4 * i + 1]);
+        acc[4 * i + 2] = fmaf(d[4 * i + 2], sa1 * sbv.x, acc[4 * i + 2]);
+        acc[4 * i + 3] = fmaf(d[4 * i + 3], sa1 * sbv.y, acc[4 * i + 3]);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[s]);
+  }
+
+  const void* bias = p.bias;
+  const int64_t bias_off = group * p.n;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row = row0 + cw * 64 + rl + 8 * h;
+    if (row >= row_end) continue;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int64_t col = n0 + 8 * i + cl;
+      if (col >= p.n) continue;
+      store_pair<kF32>(p.out, row * p.n + col, acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1], bias, bias_off + col,
+                       p.accumulate != 0);
+    }
+  }
+#endif
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn(std::string* err) {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  });
+  if (!fn) *err = "cuTensorMapEncodeTiled is not available from the driver";
+  return fn;
+}
+
+// rank-2 (uint8 [rows, k], box 128 x 128, 128-byte swizzle) or rank-3 (fp32 [kt][4][ld], box 128 x 4 x 1) map.
+std::string make_map(CUtensorMap* map, const void* ptr, bool scales, int64_t rows, int64_t k) {
+  std::string err;
+  auto enc = encode_fn(&err);
+  if (!enc) return err;
+  CUresult r;
+  const cuuint32_t ones[3] = {1, 1, 1};
+  if (!scales) {
+    const cuuint64_t dim[2] = {cuuint64_t(k), cuuint64_t(rows)}, stride[1] = {cuuint64_t(k)};
+    const cuuint32_t box[2] = {kBK, kBM};
+    r = enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(ptr), dim, stride, box, ones,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  } else {
+    const int64_t ld = rows4(rows);
+    const cuuint64_t dim[3] = {cuuint64_t(ld), 4, cuuint64_t(cdiv(k, kBK))};
+    const cuuint64_t stride[2] = {cuuint64_t(ld * 4), cuuint64_t(ld * 16)};
+    const cuuint32_t box[3] = {kBM, 4, 1};
+    r = enc(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, const_cast<void*>(ptr), dim, stride, box, ones,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  }
+  return r == CUDA_SUCCESS ? "" : "cuTensorMapEncodeTiled failed (CUresult " + std::to_string(int(r)) + ")";
+}
+
+template <bool kE5M2A, bool kE5M2B, bool kF32>
+std::string launch(const CUtensorMap* maps, const Params& p, dim3 grid, cudaStream_t s) {
+  auto kernel = mxfp8_wgmma_kernel<kE5M2A, kE5M2B, kF32>;
+  // every call: the limit is per device, and this is a host-side attribute (nothing enters the stream)
+  const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (attr != cudaSuccess) return std::string("raising the shared-memory limit: ") + cudaGetErrorString(attr);
+  kernel<<<grid, kThreads, kSmemBytes, s>>>(maps[0], maps[1], maps[2], maps[3], p);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? "" : cudaGetErrorString(e);
+}
+
+template <bool kE5M2A, bool kE5M2B>
+std::string launch_out(bool f32, const CUtensorMap* maps, const Params& p, dim3 grid, cudaStream_t s) {
+  return f32 ? launch<kE5M2A, kE5M2B, true>(maps, p, grid, s) : launch<kE5M2A, kE5M2B, false>(maps, p, grid, s);
+}
+
+}  // namespace
+
+int64_t mxfp8_scale_bytes(int64_t rows, int64_t k) { return (cdiv(k, kBK) * 4 * rows4(rows) * 4 + 255) / 256 * 256; }
+
+std::string mxfp8_wgmma_unsupported(const Mxfp8Operand& a, const Mxfp8Operand& b, int64_t n, int64_t k,
+                                    const void* out) {
+  if (k <= 0) return "K = " + std::to_string(k) + " (nothing to contract)";
+  if (k % 16) return "K = " + std::to_string(k) + " is not a multiple of 16 (TMA row stride)";
+  if (n % 2) return "N = " + std::to_string(n) + " is odd (paired output stores)";
+  for (const void* ptr : {static_cast<const void*>(a.data), static_cast<const void*>(b.data), out})
+    if (reinterpret_cast<uintptr_t>(ptr) % 16) return "an operand is not 16-byte aligned";
+  if (cdiv(a.rows, kBM) + 1024 > 65535 || b.rows > (int64_t(1) << 30)) return "too many rows for one launch";
+  return "";
+}
+
+std::string mxfp8_wgmma_gemm(const Mxfp8Operand& a, const Mxfp8Operand& b, int64_t n, int64_t k,
+                             const int32_t* group_sizes, int64_t groups, void* out, bool out_f32, const void* bias,
+                             bool accumulate, void* sa_tmp, void* sb_tmp, cudaStream_t s) {
+  if (std::string why = mxfp8_wgmma_unsupported(a, b, n, k, out); !why.empty()) return why;
+  if (groups > 1024) return "more than 1024 groups";
+  if (a.rows == 0 || n == 0) return "";
+  for (int i = 0; i < 2; ++i) {
+    const Mxfp8Operand& o = i ? b : a;
+    const int64_t ld = rows4(o.rows), total = cdiv(k, kBK) * 4 * ld;
+    tile_scales_kernel<<<unsigned(std::min<int64_t>(cdiv(total, 256), 4096)), 256, 0, s>>>(
+        o.scales, o.rows, k, ld, static_cast<float*>(i ? sb_tmp : sa_tmp));
+  }
+  CUtensorMap maps[4];
+  for (std::string e : {make_map(&maps[0], a.data, false, a.rows, k), make_map(&maps[1], b.data, false, b.rows, k),
+                        make_map(&maps[2], sa_tmp, true, a.rows, k), make_map(&maps[3], sb_tmp, true, b.rows, k)})
+    if (!e.empty()) return e;
+  Params p{out, bias, group_sizes, a.rows, n, k, int32_t(groups), int32_t(accumulate)};
+  const dim3 grid(unsigned(cdiv(n, kBN)), unsigned(cdiv(a.rows, kBM) + groups));
+  std::string e = a.e5m2 ? (b.e5m2 ? launch_out<true, true>(out_f32, maps, p, grid, s)
+                                   : launch_out<true, false>(out_f32, maps, p, grid, s))
+                         : (b.e5m2 ? launch_out<false, true>(out_f32, maps, p, grid, s)
+                                   : launch_out<false, false>(out_f32, maps, p, grid, s));
+  if (!e.empty() || groups == 0 || accumulate) return e;
+  zero_past_groups_kernel<<<unsigned(std::min<int64_t>(cdiv(a.rows * n, 256), 1024)), 256, 0, s>>>(
+      out, group_sizes, int(groups), a.rows, n, out_f32 ? 4 : 2);
+  cudaError_t ce = cudaGetLastError();
+  return ce == cudaSuccess ? "" : cudaGetErrorString(ce);
+}
+
+}  // namespace gemm
+}  // namespace jaxhq
