@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import parser, print_table, write_json  # noqa: E402
-from step_profile import CATEGORIES, profile_step  # noqa: E402
+from step_profile import CATEGORIES, NO_GRAPHS, profile_step  # noqa: E402
 
 from jaxhq.train import model as M, state as S  # noqa: E402
 
@@ -113,7 +113,12 @@ def _run(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split
                loss=float(m["loss"]))
     peak = peak_flops()
     row["mfu"] = None if peak is None else step_flops(cfg, batch) / step_s / peak
-    if split:
+    if split:  # profiled on a compile without CUDA graphs, so each op shows (step_profile.NO_GRAPHS)
+        opts = NO_GRAPHS if jax.default_backend() == "gpu" else {}
+        try:
+            compiled = step.lower(state, batch_d).compile(compiler_options=opts)
+        except Exception as e:  # noqa: BLE001 - an XLA without the option: profile the graphs as they are
+            row["profile_note"] = f"graphs kept: {type(e).__name__}"
         holder = [state]
 
         def one_step():
@@ -159,6 +164,7 @@ def main():
         shares = "  ".join(f"{c} {r[c + '_ms']:.2f}" for c in CATEGORIES if c + "_ms" in r)
         print(f"  {name} [{path}]: {r['step_ms']:.2f} ms  ({shares}; idle {r.get('idle_ms', 0):.2f}; "
               f"kernels/step {r.get('kernels_per_step')}) {r.get('profile_error', '')}", flush=True)
+        print(f"    top ops: {r.get('top_ops')}", flush=True)
     base = next((r for r in rows if r["recipe"] == "bf16"), None)
     for r in rows:
         if base:

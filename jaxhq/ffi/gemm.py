@@ -135,6 +135,8 @@ def _hopper() -> bool:
 def _use_wgmma(fa: int, fb: int, k: int, kernel: str, name: str, groups: int = 0) -> bool:
     """Whether an MXFP8 pair runs on the FP8-wgmma kernel: `kernel` "auto" picks it where it applies (Hopper,
     MXFP8 on both sides, K % 16 == 0 for TMA rows, <= 1024 groups), "wgmma" requires it, "dequantize" never."""
+    if kernel == "auto":  # JAXHQ_MXFP8_GEMM=wgmma|dequantize sets the choice process-wide (A/B timing)
+        kernel = os.environ.get("JAXHQ_MXFP8_GEMM", "auto")
     if kernel not in KERNELS:
         raise ValueError(f"{name}: kernel must be one of {KERNELS}, got {kernel!r}")
     mx = fa != FMT_NVFP4 and fb != FMT_NVFP4
