@@ -145,7 +145,9 @@ def _use_wgmma(fa: int, fb: int, k: int, kernel: str, name: str, groups: int = 0
            else "the GPU is not a Hopper (sm_90a)" if not _hopper() else "")
     if kernel == "wgmma" and why:
         raise GemmUnsupported(f"{name}: the MXFP8 wgmma kernel does not apply: {why}")
-    return kernel != "dequantize" and not why
+    # The grouped form stops with an illegal instruction on an H100 (tests/test_gemm_gpu.py::test_grouped, the
+    # dense form passes every case): "auto" keeps grouped MXFP8 on the dequantize path until it is fixed.
+    return kernel == "wgmma" or (kernel == "auto" and not why and not groups)
 
 
 def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=None, accumulate=None,
