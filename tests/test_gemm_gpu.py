@@ -322,13 +322,15 @@ def test_mxfp8_wgmma_bias_accumulate(dtype):
     _check(fn(a, b, c, bias), want, dtype, f"wgmma bias+accumulate {jnp.dtype(dtype).name} seed={seed}")
 
 
-def test_mxfp8_auto_uses_wgmma():
-    """On a Hopper the default MXFP8 path (and so the dispatch table) is the wgmma kernel; K % 16 != 0 falls
-    back to the dequantize path."""
+def test_mxfp8_auto_follows_wgmma_wins(monkeypatch):
+    """The default MXFP8 path takes the wgmma kernel exactly when G.WGMMA_WINS says it is the faster one (and it
+    applies); K % 16 != 0 always falls back to the dequantize path."""
     _hopper_only()
     a, b, _ = _operands("mxfp8", "forward", 17)
-    hlo = jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.float32)).lower(a, b).as_text()
-    assert G.MX_TARGET in hlo
+    for wins in (False, True):
+        monkeypatch.setattr(G, "WGMMA_WINS", wins)
+        hlo = jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.float32)).lower(a, b).as_text()
+        assert (G.MX_TARGET in hlo) == wins and (G.DQ_TARGET in hlo) != wins
     a, b, _ = _operands("mxfp8", "wgrad", 1000)  # contraction 1000 % 16 != 0
     hlo = jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.float32)).lower(a, b).as_text()
     assert G.MX_TARGET not in hlo and G.DQ_TARGET in hlo
