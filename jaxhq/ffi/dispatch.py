@@ -18,6 +18,7 @@ from ..formats.fp8_block import Float8Block
 from ..formats.hybrid import Hybrid, side
 from ..formats.mxfp8 import MXFP8
 from ..formats.nvfp4 import NVFP4
+from ..formats.quantize import quantize_paths
 from . import load
 from . import partitioning as PT
 from . import primitives as P
@@ -76,6 +77,8 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     if need_amax:
         if amax is not None:
             amax_plain = amax_rht = jnp.asarray(amax, jnp.float32)
+        elif not need_rht and quantize_paths()["amax"] == "xla":
+            amax_plain = _fp8.tensor_amax(x2d)  # XLA's reduction, fusable into x's producer
         else:
             amax_plain, amax_rht = PT.amax(x2d, rht=need_rht)
 
