@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine: build the extension with CUDA, then run the GPU tests or the benchmarks; logs and JSON go
 # to OUTDIR. Usage: scripts/gpu_check.sh tests|bench [OUTDIR]   (JAXHQ_CUDA_ARCHS=90a by default; 100a: Blackwell)
-#   tests: the kernel tests (-m gpu; the quantize tests once per kernel variant) and the dense-op and layer tests
-#          on the GPU backend, side by side
+#   tests: the kernel tests (-m gpu; the quantize tests once per kernel variant in VARIANTS, default: the default
+#          one) and the dense-op and layer tests on the GPU backend, side by side
 #   recheck: only the tests selected by RECHECK (a pytest -k expression over the FFI and dense-op tests)
 #   bench: (RECHECK first when set) the benchmarks named by BENCH (default "train peer gemm quantize"):
 #          train_step.py (every recipe against bf16; TRAIN_ARGS adds options, e.g. --paths), peer_fp8.py,
@@ -35,9 +35,9 @@ if [ "$MODE" = tests ]; then
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   T=${TEST_TIMEOUT:-330}
   log "tests, in parallel (timeout ${T}s each)"
-  for v in alternating batched registers; do  # each variant of the quantize kernel (read once per process)
-    JAXHQ_QUANTIZE_VARIANT=$v timeout $T $PY -m pytest -q -m gpu tests/test_ffi_gpu.py --tb=short -p no:cacheprovider \
-      >"$OUTDIR/ffi_gpu_$v.log" 2>&1 &
+  for v in ${VARIANTS:-default}; do  # each variant of the quantize kernel named (read once per process)
+    ( [ "$v" = default ] || export JAXHQ_QUANTIZE_VARIANT=$v
+      timeout $T $PY -m pytest -q -m gpu tests/test_ffi_gpu.py --tb=short -p no:cacheprovider >"$OUTDIR/ffi_gpu_$v.log" 2>&1 ) &
   done
   timeout $T $PY -m pytest -q -m gpu tests/test_gemm_gpu.py --tb=short -p no:cacheprovider >"$OUTDIR/gemm_gpu.log" 2>&1 &
   timeout $T $PY -m pytest -q tests/test_dense.py tests/test_layers.py tests/test_layers_more.py --tb=short -p no:cacheprovider \
@@ -45,7 +45,7 @@ if [ "$MODE" = tests ]; then
   timeout $T $PY -m pytest -q tests/test_train_state.py tests/test_train_remat.py --tb=short -p no:cacheprovider \
     >"$OUTDIR/train_on_gpu.log" 2>&1 &
   wait
-  for f in ffi_gpu_alternating ffi_gpu_batched ffi_gpu_registers gemm_gpu dense_layers_on_gpu train_on_gpu; do
+  for f in $(for v in ${VARIANTS:-default}; do echo ffi_gpu_$v; done) gemm_gpu dense_layers_on_gpu train_on_gpu; do
     log "$f"; summary "$OUTDIR/$f.log"
   done
   log "train_step smoke"
