@@ -1,0 +1,87 @@
+"""The per-format choice between the FFI kernel and XLA's fusion of the reference (JAXHQ_QUANTIZE_PATH), on the
+CPU handlers (JAXHQ_KERNELS=all): the compiled program holds exactly the custom calls the choice names, the
+copies are the same bits either way (kernels equal the reference), bad specs name what is wrong, and jaxhq.plan
+shows the path of each copy."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxhq
+import jaxhq.ffi
+from jaxhq.formats import MXFP8, Float8Block, Float8CurrentScaling, Hybrid, quantize
+from jaxhq.formats.quantize import DEFAULT_PATHS, copy_path, quantize_paths
+
+pytestmark = pytest.mark.skipif(not jaxhq.ffi.available("cpu"), reason="the FFI extension is not built")
+
+
+def _hlo_and_copies(q, x):
+    fn = jax.jit(lambda x: quantize(x, q))
+    qt = fn(x)
+    return fn.lower(x).as_text(), qt
+
+
+@pytest.fixture
+def kernels_everywhere(monkeypatch):
+    monkeypatch.setenv("JAXHQ_KERNELS", "all")
+    return monkeypatch
+
+
+def test_paths_spec(monkeypatch):
+    monkeypatch.delenv("JAXHQ_QUANTIZE_PATH", raising=False)
+    monkeypatch.setenv("JAXHQ_KERNELS", "gpu")
+    assert quantize_paths() == DEFAULT_PATHS
+    monkeypatch.setenv("JAXHQ_KERNELS", "all")  # the tests' mode: every family on its kernel
+    assert set(quantize_paths().values()) == {"kernel"}
+    monkeypatch.setenv("JAXHQ_QUANTIZE_PATH", "all=xla,mxfp8=kernel")
+    p = quantize_paths()
+    assert p["mxfp8"] == "kernel" and p["fp8"] == "xla" and p["amax"] == "xla"
+    for bad in ("mxfp9=xla", "fp8=gpu", "fp8"):
+        monkeypatch.setenv("JAXHQ_QUANTIZE_PATH", bad)
+        with pytest.raises(ValueError, match=f"JAXHQ_QUANTIZE_PATH: '{bad}'"):
+            quantize_paths()
+
+
+def test_hybrid_sides_take_their_own_path(kernels_everywhere):
+    x = jax.random.normal(jax.random.key(0), (256, 384), jnp.float32).astype(jnp.bfloat16)
+    q = Hybrid(MXFP8(), Float8Block())
+    results = {}
+    for spec, calls in (("all=kernel", 1), ("mxfp8=xla", 1), ("fp8_block=xla", 1), ("all=xla", 0)):
+        kernels_everywhere.setenv("JAXHQ_QUANTIZE_PATH", spec)
+        hlo, qt = _hlo_and_copies(q, x)
+        assert hlo.count("jaxhq_quantize") == calls, spec
+        results[spec] = qt
+        assert copy_path(q, "rowwise", "cpu") == ("xla" if spec in ("mxfp8=xla", "all=xla") else "kernel")
+    # kernels equal the reference bit for bit, so every mix of paths gives the same copies
+    for spec, qt in results.items():
+        for axis in ("rowwise", "columnwise"):
+            for f in ("data", "scale_inv"):
+                a, b = getattr(qt.get(axis), f), getattr(results["all=xla"].get(axis), f)
+                np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8),
+                                              err_msg=f"{spec} {axis}.{f}")
+
+
+def test_amax_path(kernels_everywhere):
+    x = jax.random.normal(jax.random.key(1), (128, 320), jnp.float32).astype(jnp.bfloat16)
+    x = x.at[3, 5].set(-1e4)  # the amax
+    out = {}
+    for spec, amax_calls in (("amax=kernel", 1), ("amax=xla", 0)):
+        kernels_everywhere.setenv("JAXHQ_QUANTIZE_PATH", spec)
+        hlo, qt = _hlo_and_copies(Float8CurrentScaling(), x)
+        assert hlo.count("jaxhq_amax") == amax_calls and hlo.count("jaxhq_quantize") == 1, spec
+        out[spec] = qt
+    a, b = out["amax=kernel"], out["amax=xla"]
+    assert float(a.rowwise.amax) == float(b.rowwise.amax) == float(jnp.bfloat16(1e4))
+    np.testing.assert_array_equal(np.asarray(a.rowwise.data).view(np.uint8), np.asarray(b.rowwise.data).view(np.uint8))
+    kernels_everywhere.setenv("JAXHQ_QUANTIZE_PATH", "amax=xla")
+    nan = quantize(x.at[0, 0].set(jnp.nan), Float8CurrentScaling())
+    assert bool(jnp.isnan(nan.rowwise.amax))
+
+
+def test_plan_shows_the_path(kernels_everywhere):
+    kernels_everywhere.setenv("JAXHQ_QUANTIZE_PATH", "nvfp4=xla")
+    role = jaxhq.QuantizerRole("linear", "input", "layers_0.fc1")
+    text = str(jaxhq.plan("hybrid:mxfp8:nvfp4", [role]))
+    assert "path (row|col)" in text and "kernel|xla" in text
