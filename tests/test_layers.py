@@ -147,8 +147,15 @@ def _vg(f):
     return jax.jit(run)
 
 
-def _bits(a, b):
-    jax.tree.map(lambda u, w: np.testing.assert_array_equal(np.asarray(u), np.asarray(w)), a, b)
+def _close_to_flax(a, b):
+    """jaxhq's bf16 layers against plain Flax: the same math, but two XLA graphs whose float32 reductions (dots
+    of at most a few hundred terms, norm statistics) may associate differently on another CPU, so equality holds
+    up to reassociation: |a - b| <= n eps sum|terms| bounds it; with n <= 256 and eps = 2^-24 that is < 2e-5 of
+    the largest magnitude (seen: 4.8e-7 absolute on values of order 1)."""
+    def check(u, w):
+        u, w = np.asarray(u, np.float64), np.asarray(w, np.float64)
+        np.testing.assert_allclose(u, w, rtol=0, atol=2e-5 * max(np.abs(w).max(), 1e-30))
+    jax.tree.map(check, a, b)
 
 
 def test_bf16_dense_and_layernorm_dense_equal_flax():
@@ -157,7 +164,7 @@ def test_bf16_dense_and_layernorm_dense_equal_flax():
                         (DenseGeneral((4, 10), recipes.bf16(), axis=(-2, -1)),
                          nn.DenseGeneral((4, 10), axis=(-2, -1)))):
         p = unbox(jax.jit(mine.init)(jax.random.key(1), x))
-        _bits(_vg(lambda p, x, _: mine.apply(p, x))(p, x),
+        _close_to_flax(_vg(lambda p, x, _: mine.apply(p, x))(p, x),
               _vg(lambda p, x, _: plain.apply(p, x))(p, x))
 
     mine = LayerNormDense(40, recipes.bf16(), norm="rmsnorm")
@@ -167,7 +174,7 @@ def test_bf16_dense_and_layernorm_dense_equal_flax():
         h = nn.RMSNorm(epsilon=1e-6).apply({"params": p["norm"]}, x)
         return nn.Dense(40).apply({"params": {"kernel": p["kernel"], "bias": p["bias"]}}, h)
 
-    _bits(_vg(lambda p, x, _: mine.apply({"params": p}, x))(p, x),
+    _close_to_flax(_vg(lambda p, x, _: mine.apply({"params": p}, x))(p, x),
           _vg(lambda p, x, _: plain(p, x))(p, x))
 
 
@@ -181,7 +188,7 @@ def test_bf16_mlp_and_attention_equal_flax():
         a, b = jnp.split(nn.Dense(96).apply({"params": p["fc1"]}, h), 2, -1)
         return nn.Dense(32).apply({"params": p["fc2"]}, jax.nn.silu(a) * b)
 
-    _bits(_vg(lambda p, x, _: mlp.apply({"params": p}, x))(p, x),
+    _close_to_flax(_vg(lambda p, x, _: mlp.apply({"params": p}, x))(p, x),
           _vg(lambda p, x, _: plain_mlp(p, x))(p, x))
 
     mha = MultiHeadAttention(4, recipes.bf16(), num_kv_heads=2)
@@ -195,7 +202,7 @@ def test_bf16_mlp_and_attention_equal_flax():
         o = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, None, :], is_causal=True)
         return nn.Dense(32, use_bias=False).apply({"params": p["proj"]}, o.reshape(2, 8, 32))
 
-    _bits(_vg(lambda p, x, _: mha.apply({"params": p}, x, mask))(p, x),
+    _close_to_flax(_vg(lambda p, x, _: mha.apply({"params": p}, x, mask))(p, x),
           _vg(lambda p, x, _: plain_mha(p, x))(p, x))
 
 
