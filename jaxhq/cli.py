@@ -83,6 +83,18 @@ def parse_mesh(spec: Optional[str], device_count: int) -> Optional[dict]:
     return sizes
 
 
+def check_writable(path: str, flag: str) -> None:
+    """Create `path` (a directory) and prove a file can be written there, before any training step."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, ".jaxhq_write_check")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise UsageError(f"{flag} {path!r} is not a writable directory: {e.strerror or e}") from None
+
+
 def check_fits(recipe, model_config, batch_size: int) -> None:
     """Trace one train step (no compute) so a model that the recipe's formats cannot take fails here."""
     import jax
@@ -113,6 +125,9 @@ def _train(args) -> int:
     mesh_sizes = parse_mesh(args.mesh, jax.device_count())
     if args.resume and not args.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir")
+    check_writable(args.out, "--out")
+    if args.checkpoint_dir:
+        check_writable(args.checkpoint_dir, "--checkpoint-dir")
     model_config = model_config.replace(remat=args.remat, **({"seq_len": args.seq_len} if args.seq_len else {}))
     mesh = None
     if mesh_sizes and math.prod(mesh_sizes.values()) > 1:
@@ -130,7 +145,15 @@ def _train(args) -> int:
     print(f"jaxhq train: model {args.model} ({model_config.num_params() / 1e6:.2f}M params), "
           f"recipes {', '.join(r.name for r in recipes)}, {args.steps} steps on {jax.devices()[0].platform}",
           file=sys.stderr)
-    run(cfg, recipes=recipes, mesh=mesh)
+    from .train.checkpoint import CheckpointError
+    from .train.run import Stopped
+    try:
+        run(cfg, recipes=recipes, mesh=mesh)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    except Stopped as e:
+        print(f"jaxhq train: {e}", file=sys.stderr)
+        return 128 + e.signum
     return 0
 
 

@@ -34,6 +34,10 @@ class DenseQuantizers:
         return cls(q, q, q if grad_output is None else grad_output, **kw)
 
 
+class FactoryError(RuntimeError):
+    """A user factory raised for a role; the message names the role, the original error is chained."""
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class CustomRecipe:
     """A recipe from a factory `qfactory(role) -> Quantizer`; `name` labels it in plans and checkpoints."""
@@ -46,7 +50,11 @@ class CustomRecipe:
     def quantizer(self, role: QuantizerRole) -> Quantizer:
         if role in self._cache:
             return self._cache[role]
-        q = self.qfactory(role)
+        try:
+            q = self.qfactory(role)
+        except Exception as e:
+            raise FactoryError(f"recipe {self.name!r}: the factory raised {type(e).__name__} for role {role}: "
+                               f"{e}") from e
         if q is None:
             raise TypeError(f"recipe {self.name!r}: the factory returned None for role {role}; "
                             "return Identity() to keep a tensor in high precision")
@@ -125,8 +133,11 @@ def get(recipe: Union[str, CustomRecipe]) -> CustomRecipe:
     if isinstance(recipe, CustomRecipe):
         return recipe
     if isinstance(recipe, str) and recipe.startswith("hybrid:"):
-        _, fwd, bwd = recipe.split(":")
-        return hybrid(forward=fwd, backward=bwd)
+        parts = recipe.split(":")
+        if len(parts) != 3 or not all(parts[1:]):
+            raise ValueError(f"bad recipe name {recipe!r}: a hybrid is named hybrid:FORWARD:BACKWARD with two "
+                             f"named recipes ({', '.join(NAMED)}), e.g. hybrid:mxfp8:nvfp4")
+        return hybrid(forward=parts[1], backward=parts[2])
     if recipe not in NAMED:
         raise ValueError(f"unknown recipe {recipe!r}; named recipes: {', '.join(NAMED)}, or 'hybrid:FWD:BWD'")
     return NAMED[recipe]()

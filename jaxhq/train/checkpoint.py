@@ -65,19 +65,24 @@ def _shapes(tree) -> dict:
 
 def save(ckdir: str, state: TrainState, extra: Optional[dict] = None) -> str:
     """Write the state at its step under `ckdir/step_N/` and return that path."""
+    import shutil
+
     import orbax.checkpoint as ocp
     path = _step_dir(ckdir, int(state.step))
+    partial = path + ".partial"  # written whole, then renamed: a kill mid-save leaves the last checkpoint as it was
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    if os.path.exists(partial):
+        shutil.rmtree(partial)
     ckptr = ocp.StandardCheckpointer()
-    if os.path.exists(path):
-        import shutil
-        shutil.rmtree(path)
-    ckptr.save(os.path.join(path, ARRAYS), _arrays(state))
+    ckptr.save(os.path.join(partial, ARRAYS), _arrays(state))
     ckptr.wait_until_finished()
     meta = {"step": int(state.step), "recipe": state.recipe.name, "model": dataclasses.asdict(state.model.config),
             "params": _shapes(state.params), "quant_state": _shapes(state.quant_state), **(extra or {})}
-    with open(os.path.join(path, META), "w") as f:
+    with open(os.path.join(partial, META), "w") as f:
         json.dump(meta, f)
+    if os.path.exists(path):  # the same step saved again (a resumed run ending where it started)
+        shutil.rmtree(path)
+    os.rename(partial, path)
     return path
 
 

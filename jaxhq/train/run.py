@@ -7,12 +7,15 @@ validation loss" is measured on fixed validation batches after the last step.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -75,6 +78,31 @@ def _progress(total: int, initial: int, desc: str, enabled: bool):
                                             "[{elapsed}<{remaining}{postfix}]")
 
 
+class Stopped(Exception):
+    """SIGTERM or SIGINT arrived during training: the step in flight finished, a checkpoint was saved (when a
+    checkpoint directory was given) and the run ends; `--resume` continues it bit for bit."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """Turns SIGTERM/SIGINT into a flag the loop reads after each step (a preempted job keeps its progress)."""
+    got = []
+    handler = lambda signum, frame: got.append(signum)  # noqa: E731
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield got
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def train_recipe(recipe, cfg: RunConfig, dataset: _data.Dataset, model_config: _model.GPTConfig,
                  mesh=None) -> RunResult:
     """Train one recipe for cfg.steps (resuming from cfg.checkpoint_dir when asked) and measure it."""
@@ -89,17 +117,20 @@ def train_recipe(recipe, cfg: RunConfig, dataset: _data.Dataset, model_config: _
         st, meta = _ckpt.restore(ckdir, st)
         res.train_curve = [list(p) for p in meta.get("train_curve", [])]
         res.val_curve = [list(p) for p in meta.get("val_curve", [])]
+        print(f"jaxhq train: {rec.name}: resuming from step {int(st.step)} ({ckdir})", file=sys.stderr)
+    elif cfg.resume:
+        print(f"jaxhq train: {rec.name}: no checkpoint in {ckdir}; starting from step 0", file=sys.stderr)
     from .sharded import mesh_context, shard_train_state
     if mesh is not None:
         st = shard_train_state(st, mesh)
     start = int(st.step)
     res.start_step = start
-    with mesh_context(mesh):
-        res = _loop(st, start, rec, cfg, dataset, mesh, res, ckdir)
+    with mesh_context(mesh), _stop_on_signals() as signals:
+        res = _loop(st, start, rec, cfg, dataset, mesh, res, ckdir, signals)
     return res
 
 
-def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir):
+def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir, signals=()):
     from . import checkpoint as _ckpt
     from .sharded import shard_batch
 
@@ -113,9 +144,11 @@ def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir):
     for step in range(start, cfg.steps):
         st, metrics = _state.train_step(st, batch(dataset.train_batch(step)))
         pending.append((step, metrics["loss"]))
+        stop = bool(signals)
         last = step == cfg.steps - 1
-        save = ckdir is not None and (last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0))
-        if len(pending) >= 10 or last or save:
+        save = ckdir is not None and (last or stop or
+                                      (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0))
+        if len(pending) >= 10 or last or save or stop:
             losses = jax.device_get([l for _, l in pending])
             res.train_curve += [[s, float(l)] for (s, _), l in zip(pending, losses)]
             pending = []
@@ -136,6 +169,12 @@ def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir):
         if save:
             _ckpt.save(ckdir, st, extra={"train_curve": res.train_curve, "val_curve": res.val_curve})
         bar.update(1)
+        if stop and not last:
+            bar.close()
+            name = signal.Signals(signals[0]).name
+            where = f"checkpoint saved in {ckdir}; continue with --resume" if ckdir else \
+                "no --checkpoint-dir, so nothing was saved"
+            raise Stopped(signals[0], f"{name}: {rec.name} stopped after step {step + 1}; {where}")
     bar.close()
     res.seconds = time.perf_counter() - t0
     tail = [l for _, l in res.train_curve[-cfg.smooth:]]
@@ -163,6 +202,14 @@ def table(results: list, baseline: Optional[str]) -> str:
     return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
 
 
+def plain_log_labels(axis) -> None:
+    """Tick labels of a log axis as plain numbers ("2", "3.5"), not "2x10^0"."""
+    from matplotlib import ticker
+    fmt = ticker.FuncFormatter(lambda v, _: f"{v:.3g}")
+    axis.set_major_formatter(fmt)
+    axis.set_minor_formatter(fmt)
+
+
 def plot(results: list, path: str, title: str = "") -> str:
     """loss.png: the train curve (thin) and validation points (markers) of every recipe, headless."""
     import matplotlib
@@ -181,6 +228,7 @@ def plot(results: list, path: str, title: str = "") -> str:
     ax.set_ylabel("cross entropy (nats / byte)")
     ax.set_title(title)
     ax.set_yscale("log")
+    plain_log_labels(ax.yaxis)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
