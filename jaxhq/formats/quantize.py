@@ -84,10 +84,11 @@ def kernel_platforms() -> tuple:
 # won for every family (step vs bf16, kernel / XLA: fp8_current 0.80 / 0.91, fp8_delayed 0.81 / 0.93,
 # fp8_block 0.83 / 1.00, mxfp8 1.12 / 1.50, nvfp4 1.40 / 3.69).
 # "amax" is the per-tensor amax that FP8 current scaling and NVFP4's global scale read before quantizing: the
-# jaxhq_amax kernel, or XLA's reduction, which it can fuse into the op that produces x (the transformed amax of
-# the Hadamard side always comes from the kernel, in the same pass as the plain one).
+# jaxhq_amax kernel, or XLA's reduction, which it fuses into the op that produces x (the transformed amax of the
+# Hadamard side always comes from the kernel, in the same pass as the plain one). XLA's won: fp8_current step
+# 37.1 against 38.6 ms, nvfp4 68.4 against 68.7 ms.
 DEFAULT_PATHS = {"fp8": "kernel", "fp8_delayed": "kernel", "mxfp8": "kernel", "nvfp4": "kernel",
-                 "fp8_block": "kernel", "amax": "kernel"}
+                 "fp8_block": "kernel", "amax": "xla"}
 
 
 def quantize_paths() -> dict:
