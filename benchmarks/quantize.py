@@ -107,7 +107,7 @@ def main():
         del out
 
     res = dict(device=dev.device_kind, jax=jax.__version__, shape=[args.m, args.k], dtype="bfloat16",
-               variant=os.environ.get("JAXHQ_QUANTIZE_VARIANT", "registers"),  # default: FP8 formats; NVFP4 on alternating
+               variant=os.environ.get("JAXHQ_QUANTIZE_VARIANT", "registers"),
                copy_ms=min(copy_t, neg_t) * 1e3, copy_tbps=copy_bw / 1e12, rows=rows)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
