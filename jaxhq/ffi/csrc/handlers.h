@@ -7,6 +7,10 @@ XLA_FFI_Error* jaxhq_cpu_amax(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jaxhq_cpu_quantize(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jaxhq_cpu_quantize_into(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jaxhq_cpu_dequantize(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* jaxhq_cpu_gemm_fp8(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* jaxhq_cpu_gemm_dq(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* jaxhq_cpu_gemm_fp8_grouped(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* jaxhq_cpu_gemm_dq_grouped(XLA_FFI_CallFrame* call_frame);
 #ifdef JAXHQ_WITH_CUDA
 XLA_FFI_Error* jaxhq_cuda_amax(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jaxhq_cuda_quantize(XLA_FFI_CallFrame* call_frame);

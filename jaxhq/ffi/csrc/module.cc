@@ -23,6 +23,10 @@ NB_MODULE(_jaxhq_ffi, m) {
     cpu["jaxhq_quantize"] = capsule(jaxhq_cpu_quantize);
     cpu["jaxhq_quantize_into"] = capsule(jaxhq_cpu_quantize_into);
     cpu["jaxhq_dequantize"] = capsule(jaxhq_cpu_dequantize);
+    cpu["jaxhq_gemm_fp8"] = capsule(jaxhq_cpu_gemm_fp8);
+    cpu["jaxhq_gemm_dq"] = capsule(jaxhq_cpu_gemm_dq);
+    cpu["jaxhq_gemm_fp8_grouped"] = capsule(jaxhq_cpu_gemm_fp8_grouped);
+    cpu["jaxhq_gemm_dq_grouped"] = capsule(jaxhq_cpu_gemm_dq_grouped);
 #ifdef JAXHQ_WITH_CUDA
     cuda["jaxhq_amax"] = capsule(jaxhq_cuda_amax);
     cuda["jaxhq_quantize"] = capsule(jaxhq_cuda_quantize);

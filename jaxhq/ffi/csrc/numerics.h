@@ -59,6 +59,12 @@ JHQ_HD float div_ref(float a, float b) {
 }
 
 JHQ_HD float bf16_bits_to_f32(uint16_t b) { return u2f(uint32_t(b) << 16); }
+// float32 to bfloat16 bits, round to nearest even (NaN stays a quiet NaN), as XLA's convert does.
+JHQ_HD uint16_t f32_to_bf16_bits(float f) {
+  uint32_t u = f2u(f);
+  if (is_nan(f)) return uint16_t((u >> 16) | 0x40u);
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
 JHQ_HD float f16_bits_to_f32(uint16_t h) {
   uint32_t s = uint32_t(h & 0x8000u) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
   if (e == 0) {  // zero or subnormal: m * 2^-24, exact in float32

@@ -1,0 +1,100 @@
+"""The CPU handlers of the GEMM targets (the same custom calls as the GPU kernels, for the CPU suite and the
+sharding tests) against a float64 GEMM of the dequantized operands: every recipe's forward, dgrad and wgrad
+operand pairs (test_gemm_gpu's cases), bias and accumulate, bf16 output, the ragged grouped form.
+
+Bound, per element: the handler decodes exactly, sums in double and rounds once (fp32), then adds bias and
+`c` in fp32 and rounds to the output dtype; so |out - ref| <= 4 u (|A| |B|^T + |bias| + |c|) with u = 2^-24
+(fp32) or 2^-8 (bf16). A wrong scale, layout or index gives errors of order |ref|.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxhq.ffi import gemm as G
+from test_gemm_gpu import KERNEL, RECIPES, _cases, _dequant64, _operands, _reference
+
+U = {jnp.float32: 2.0 ** -24, jnp.bfloat16: 2.0 ** -8}
+
+
+@pytest.fixture(autouse=True)
+def _cpu_handlers():
+    if not G._registered("cpu"):
+        pytest.skip("the FFI extension is not built")
+
+
+def _check(out, ref, mag, dtype, what):
+    out = np.asarray(out, np.float64)
+    assert out.shape == ref.shape, f"{what}: shape {out.shape} != {ref.shape}"
+    bound = 4 * U[dtype] * mag + 1e-300
+    worst = float(np.max(np.abs(out - ref) / bound))
+    assert worst <= 1, f"{what}: max |out - ref| / bound = {worst:.3g}"
+
+
+def _mag(a, b):
+    return np.abs(_dequant64(a)) @ np.abs(_dequant64(b)).T
+
+
+@pytest.mark.parametrize("recipe,gemm,m", [c for c in _cases() if c[2] in (17, 128) or c[0] == "mxfp8" and c[2] == 1000])
+def test_cpu_gemm_matches_float64(recipe, gemm, m):
+    a, b, seed = _operands(recipe, gemm, m)
+    out = jax.jit(lambda a, b: KERNEL[recipe](a, b, jnp.float32))(a, b)
+    assert "jaxhq_gemm" in jax.jit(lambda a, b: KERNEL[recipe](a, b, jnp.float32)).lower(a, b).as_text()
+    _check(out, _reference(a, b), _mag(a, b), jnp.float32, f"{recipe} {gemm} M={m} seed={seed}")
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_cpu_bias_and_accumulate(recipe, dtype):
+    """out = c + A @ B.T + bias with c random: an element the handler does not write keeps c and fails."""
+    a, b, seed = _operands(recipe, "forward", 17)
+    rng = np.random.default_rng(seed)
+    ref = _reference(a, b)
+    scale = np.abs(ref).mean()
+    c = jnp.asarray(rng.standard_normal(ref.shape) * scale, dtype)
+    bias = jnp.asarray(rng.standard_normal(ref.shape[1]) * scale, dtype)
+    out = jax.jit(lambda a, b, c, bias: KERNEL[recipe](a, b, dtype, bias=bias, accumulate=c))(a, b, c, bias)
+    c64, b64 = np.asarray(c, np.float64), np.asarray(bias, np.float64)[None, :]
+    _check(out, ref + c64 + b64, _mag(a, b) + np.abs(c64) + np.abs(b64), dtype, f"{recipe} bias+accumulate")
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_block", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "accumulate"])
+def test_cpu_grouped(recipe, accumulate):
+    """Ragged groups [5, 0, 70, 20] of T = 100 rows: 5 rows past the groups are zero (or keep `c`)."""
+    from jaxhq.formats import quantize
+    qx, qw, _ = RECIPES[recipe]
+    rng = np.random.default_rng(5)
+    t, k, n, sizes = 100, 256, 64, [5, 0, 70, 20]
+    a = quantize(jnp.asarray(rng.standard_normal((t, k)), jnp.float32), qx, "rowwise").rowwise
+    bs = [quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32), qw, "rowwise").rowwise
+          for _ in sizes]
+    bias = jnp.asarray(rng.standard_normal((len(sizes), n)), jnp.float32)
+    c = jnp.asarray(rng.standard_normal((t, n)), jnp.float32) if accumulate else None
+    fn = jax.jit(lambda a, bs, gs, bias, c: G.grouped_gemm(a, bs, gs, jnp.float32, bias=bias, accumulate=c))
+    out = np.asarray(fn(a, bs, jnp.asarray(sizes, jnp.int32), bias, c), np.float64)
+    av = _dequant64(a)
+    ref = np.zeros((t, n)) if c is None else np.asarray(c, np.float64).copy()
+    mag = np.abs(ref)
+    start = 0
+    for g, size in enumerate(sizes):
+        rows = slice(start, start + size)
+        bv = _dequant64(bs[g])
+        ref[rows] += av[rows] @ bv.T + np.asarray(bias[g], np.float64)[None, :]
+        mag[rows] += np.abs(av[rows]) @ np.abs(bv).T + np.abs(np.asarray(bias[g], np.float64))[None, :]
+        start += size
+    _check(out, ref, mag, jnp.float32, f"grouped {recipe} accumulate={accumulate}")
+    if not accumulate:
+        assert (out[start:] == 0).all(), "rows past the groups must be zero"
+
+
+def test_cpu_handler_rejects_a_mismatched_call():
+    """A call whose buffers do not match (here B's scales for another K) is an error naming the operand."""
+    a, b, _ = _operands("fp8_block", "forward", 17)
+    import jax.ffi
+    call = jax.ffi.ffi_call(G.FP8_TARGET, jax.ShapeDtypeStruct((17, b.data.shape[0]), jnp.float32))
+    empty = jnp.zeros((0,), jnp.float32)
+    with pytest.raises(Exception, match="B scales .* do not match its data"):
+        jax.block_until_ready(call(a.data, a.scale_inv, b.data, b.scale_inv[:, :1], empty, empty,
+                                   mode_a=np.int32(1), mode_b=np.int32(2), layout=np.int32(0), pad=np.int32(4),
+                                   accumulate=np.int32(0), fast_accum=np.int32(0)))
