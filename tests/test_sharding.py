@@ -334,6 +334,46 @@ def test_sharded_step_equals_unsharded_and_gathers_quantized_bytes(mesh_name, re
         assert len(_quantized_gathers(hlo)) >= 8, collectives(hlo)
 
 
+# -- the GEMMs gather no activation (the FFI GEMMs are partitioned) ------------------------------------------
+GATHER_RECIPES = RECIPES  # fp8_delayed runs the same GEMMs as fp8_current; fp8_block needs 128-row shards
+GATHER_MESHES = ["dp2_fsdp4", "fsdp2_tp4", "dp2_fsdp2_tp2"]
+
+
+def _step_hlo(recipe_name, mesh_name, sp=False):
+    mesh = make_mesh(**MESHES[mesh_name])
+    params, _ = M.init_params(0)
+    with nn.logical_axis_rules(axis_rules(sequence_parallel=sp)):
+        jitted, ps, bs = M.sharded_step(recipes.get(recipe_name), jax.random.key(1), mesh, params)
+        return jitted.lower(jax.device_put(params, ps), jax.device_put(M.init_params(0)[1], bs)).compile().as_text()
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["", "sp"])
+@pytest.mark.parametrize("mesh_name", GATHER_MESHES)
+@pytest.mark.parametrize("recipe_name", GATHER_RECIPES)
+def test_gemms_gather_no_activation(monkeypatch, recipe_name, mesh_name, sp):
+    """Every GEMM of the step (forward, dgrad, wgrad) is an FFI custom call (the CPU handlers: the same program
+    structure as on a GPU), partitioned: tokens stay split, column- and row-parallel weights keep their split,
+    a split contraction is reduced; the only all-gathers left move the quantized FSDP weights."""
+    if sp and "tp" not in mesh_name:
+        pytest.skip("sequence parallelism splits the sequence on the tensor axis")
+    monkeypatch.setenv("JAXHQ_KERNELS", "all")
+    hlo = _step_hlo(recipe_name, mesh_name, sp)
+    assert "jaxhq_gemm" in hlo, "the GEMMs did not run the FFI targets"
+    bad = M.activation_gathers(hlo, MESHES[mesh_name].get("tensor", 1))
+    if sp:  # sequence parallelism gathers the residual stream's sequence before the column-parallel GEMMs
+        bad = [c for c in bad if c.shape[-2:] != (M.L, M.D)]
+    assert not bad, f"activations gathered: {bad}"
+
+
+def test_unpartitioned_gemms_would_gather_activations(monkeypatch):
+    """Control for the test above: the same FFI GEMMs called without their partitioning rule make XLA gather
+    their operands (activations included) onto every device."""
+    from jaxhq.ffi import partitioning
+    monkeypatch.setenv("JAXHQ_KERNELS", "all")
+    monkeypatch.setattr(partitioning, "gemm", lambda kernel, a, b, out_dtype, **kw: kernel(a, b, out_dtype, **kw))
+    assert M.activation_gathers(_step_hlo("mxfp8", "dp2_fsdp2_tp2"), 2)
+
+
 def test_without_the_hook_xla_gathers_high_precision_weights():
     """Control for the HLO assertion above: plain jit gathers the weights in f32/bf16."""
     mesh = make_mesh(data=2, fsdp=4)

@@ -1,9 +1,10 @@
-"""Runs tests/test_sharding.py in a subprocess with 8 CPU devices when this process has fewer, so that the
-8-device tests run in the ordinary suite without changing the device count the other test files see.
+"""Runs the 8-device test files in a subprocess with 8 CPU devices when this process has fewer, so that they
+run in the ordinary suite without changing the device count the other test files see.
 
-The subprocess runs the tests not marked slow (JAXHQ_SHARDING_ALL=1: all of them) and compiles with XLA's
-backend optimisation level 0 (half the compile time; the sharded and unsharded steps it compares are built
-with the same flags).
+The subprocess runs the tests not marked slow (JAXHQ_SHARDING_ALL=1: all of them) with JAXHQ_KERNELS=all (the
+FFI quantize and GEMM custom calls on their CPU handlers: the program structure a GPU compiles, partitioning
+included), and compiles with XLA's backend optimisation level 0 (half the compile time; the sharded and
+unsharded steps it compares are built with the same flags).
 """
 import os
 import pathlib
@@ -13,7 +14,11 @@ import sys
 import pytest
 
 
-def test_sharding_suite_on_8_cpu_devices():
+FILES = ["test_sharding.py", "test_gemm_sharding.py"]
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_sharding_suite_on_8_cpu_devices(name):
     import jax
     if jax.device_count() >= 8:
         pytest.skip("this process already has 8 devices: test_sharding.py runs directly")
@@ -22,11 +27,12 @@ def test_sharding_suite_on_8_cpu_devices():
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
                                  "--xla_backend_optimization_level=0"]).strip()
     env["JAX_PLATFORMS"] = "cpu"
+    env["JAXHQ_KERNELS"] = "all"
     import jaxhq  # the subprocess imports this same jaxhq (an installed package need not be the checkout)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(jaxhq.__file__)),
                                                     env.get("PYTHONPATH")) if p)
     select = [] if env.get("JAXHQ_SHARDING_ALL") == "1" else ["-m", "not slow"]
-    cmd = [sys.executable, "-m", "pytest", str(here / "test_sharding.py"), "-q", "-x", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", str(here / name), "-q", "-x", "-p", "no:cacheprovider",
            *select]
     r = subprocess.run(cmd, cwd=here, env=env, capture_output=True, text=True, timeout=1200)
     tail = (r.stdout + r.stderr)[-8000:]

@@ -113,6 +113,18 @@ def assert_close(got, want, exact, what, fraction=NOISE_FRACTION):
                            f"(the recipe's quantization error is {noise:.3e})")
 
 
+def activation_gathers(hlo, tensor=1):
+    """All-gathers of anything but a kernel copy: a copy is [rows, cols] with rows a kernel dim (split on
+    tensor or not, or its 128-row blocks) and cols a kernel dim over 1, 2 (packed FP4), 16, 32 or 128 (block
+    scales); norm scales are 1D. Token counts (32..256) are none of these, so an activation never passes."""
+    from jaxhq.sharding.hlo import collectives
+    dims = {D, F, F // tensor, D // tensor}
+    rows = dims | {d // 128 for d in dims}
+    cols = {d // u for d in dims for u in (1, 2, 16, 32, 128)}
+    return [c for c in collectives(hlo, "all-gather") if len(c.shape) != 1 and
+            not (c.shape[-2] in rows and c.shape[-1] in cols)]
+
+
 def param_shardings(params, mesh, rules=DEFAULT_RULES):
     return {l: {n: NamedSharding(mesh, mesh_axes(AXES[n], rules, mesh)) for n in p} for l, p in params.items()}
 

@@ -39,10 +39,12 @@ class GemmUnsupported(ValueError):
     """The kernel does not take these operands (format pair, shape or alignment); callers fall back."""
 
 
-def _registered() -> bool:
-    """True when the extension was built with the GEMM targets and registered them for CUDA."""
+def _registered(platform: str = None) -> bool:
+    """True when the extension has the GEMM targets registered for `platform` ("cuda" or "cpu"; default: the
+    default backend's). The CPU handlers are simple exact loops (tests and sharding checks, not speed)."""
     from . import load, registered_targets
-    return load() is not None and FP8_TARGET in registered_targets().get("cuda", [])
+    platform = platform or ("cuda" if jax.default_backend() in ("gpu", "cuda") else "cpu")
+    return load() is not None and FP8_TARGET in registered_targets().get(platform, [])
 
 
 def available() -> bool:
@@ -51,7 +53,7 @@ def available() -> bool:
         has_gpu = any(d.platform == "gpu" for d in jax.devices("gpu"))
     except RuntimeError:
         return False
-    return has_gpu and _registered()
+    return has_gpu and _registered("cuda")
 
 
 def _empty(dtype):

@@ -10,6 +10,7 @@ mesh axis x is split on, so a sharded call gives the same numbers as an unsharde
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 
@@ -243,3 +244,189 @@ def _batched(make, nbatch: int):
         return out, jax.tree.map(lambda _: True, out)
 
     return fn
+
+
+# -- GEMMs ----------------------------------------------------------------------------------------------------
+# out [M, N] = A [M, K] @ B [N, K].T on storages. Rows of A (tokens) and rows of B (a column-parallel weight)
+# keep their sharding; a contraction split on K (row-parallel, wgrad over tokens) gives partial sums that one
+# psum (or a psum_scatter, where the output is wanted split on those axes) adds up. Nothing is gathered unless
+# a shard would cut a quantization block or the kernel cannot take the local shape; then that dim is whole.
+def _axes_tuple(entry) -> tuple:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(axes: tuple):
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+class _GemmSides:
+    """The leaves of A and B (data, scales, amax) and, per leaf, how many logical rows and K elements one entry
+    covers (None for a scalar): a shard is whole blocks for every leaf when its size along M (N, K) is a
+    multiple of `gm` (`gn`, `gk`), the lcm of those counts and of the format's block rows."""
+
+    def __init__(self, a, b):
+        from ..sharding.gather import block_shape
+        self.a_leaves, self.a_tree = jax.tree.flatten(a)
+        self.b_leaves, self.b_tree = jax.tree.flatten(b)
+        self.a, self.b = a, b
+        (self.m, self.k), self.n = a.shape, b.shape[0]
+
+        def per_entry(s, leaves):
+            rows, k = s.shape
+            nb = s.data.ndim - 2
+            return [None if l.ndim == nb else (-(-rows // l.shape[-2]), -(-k // l.shape[-1])) for l in leaves]
+        self.a_per, self.b_per = per_entry(a, self.a_leaves), per_entry(b, self.b_leaves)
+        per = [p for p in self.a_per + self.b_per if p]
+        self.gk = math.lcm(*(p[1] for p in per))
+        self.gm = math.lcm(block_shape(a.quantizer)[0], *(p[0] for p in self.a_per if p))
+        self.gn = math.lcm(block_shape(b.quantizer)[0], *(p[0] for p in self.b_per if p))
+
+    def rule(self, nbatch: int, has_bias: bool, has_acc: bool):
+        """(Shardy rule, factor sizes, factors to keep whole): factors m, n, k, compound where an entry covers
+        several elements ("(k k32)" for an MXFP8 scale column); a dim that cannot be split into whole blocks
+        has its own factor, kept whole."""
+        sizes, whole, bare = {}, [], set()
+        fresh = iter(range(10 ** 6))
+
+        def dim(base, full, g, per):
+            if full % g or full // g < 2:
+                name = f"{base}x{next(fresh)}"
+                whole.append(name)
+                return name
+            inner = g // per
+            if inner == 1:
+                bare.add(base)
+                return base
+            sizes[f"{base}{inner}"] = inner
+            return f"({base} {base}{inner})"
+
+        lead = "".join(f"b{i} " for i in range(nbatch))
+        ins = []
+        for leaves, pers, rows, full, g in ((self.a_leaves, self.a_per, "m", self.m, self.gm),
+                                            (self.b_leaves, self.b_per, "n", self.n, self.gn)):
+            for p in pers:
+                ins.append(lead.strip() if p is None else
+                           lead + dim(rows, full, g, p[0]) + " " + dim("k", self.k, self.gk, p[1]))
+        m_out, n_out = dim("m", self.m, self.gm, 1), dim("n", self.n, self.gn, 1)
+        if has_bias:
+            ins.append(lead + n_out)
+        if has_acc:
+            ins.append(f"{lead}{m_out} {n_out}")
+        for base, full, g in (("m", self.m, self.gm), ("n", self.n, self.gn), ("k", self.k, self.gk)):
+            if base not in bare and any(f"({base} " in e for e in ins + [m_out, n_out]):
+                sizes[base] = full // g  # only inside compound factors: Shardy needs its size
+        rule = ", ".join(ins) + f" -> {lead}{m_out} {n_out}"
+        return rule, sizes, tuple(whole), "k" in bare or "k" in sizes
+
+    def local(self, ways):
+        """(A, B) with the logical shapes of one shard, `ways` = (M, N, K) split counts."""
+        wm, wn, wk = ways
+        return (dataclasses.replace(self.a, shape=(self.m // wm, self.k // wk)),
+                dataclasses.replace(self.b, shape=(self.n // wn, self.k // wk)))
+
+
+def gemm(kernel, a, b, out_dtype, *, bias=None, accumulate=None):
+    """`kernel(a, b, out_dtype, bias=, accumulate=)` (an FFI GEMM on storages A [M, K], B [N, K]) as a
+    custom_partitioning call: under jit with a mesh each device runs the kernel on its shards (see above)."""
+    sides = _GemmSides(a, b)
+    extra = tuple(x for x in (bias, accumulate) if x is not None)
+    make = lambda nb: _gemm_fn(kernel, sides, jnp.dtype(out_dtype), bias is not None, accumulate is not None, nb)  # noqa: E731
+    return _batched(make, a.data.ndim - 2)(*sides.a_leaves, *sides.b_leaves, *extra)
+
+
+def _gemm_fn(kernel, sides: _GemmSides, out_dtype, has_bias: bool, has_acc: bool, nbatch: int):
+    """The custom_partitioning GEMM of leaves (A's, B's, bias?, accumulate?) with `nbatch` leading batch dims."""
+    na, nb_ = len(sides.a_leaves), len(sides.b_leaves)
+    pers = sides.a_per + sides.b_per
+
+    def split(leaves, ways=(1, 1, 1)):
+        la, lb = sides.local(ways)
+        a = dataclasses.replace(jax.tree.unflatten(sides.a_tree, leaves[:na]), shape=la.shape)
+        b = dataclasses.replace(jax.tree.unflatten(sides.b_tree, leaves[na:na + nb_]), shape=lb.shape)
+        rest = list(leaves[na + nb_:])
+        return a, b, rest.pop(0) if has_bias else None, rest.pop(0) if has_acc else None
+
+    def call(a, b, bias, acc, dtype):
+        fn = lambda a, b, bias, acc: kernel(a, b, dtype, bias=bias, accumulate=acc)  # noqa: E731
+        for _ in range(nbatch):  # leading batch dims (vmap): one kernel call per batch element
+            fn = jax.vmap(fn)
+        return fn(a, b, bias, acc)
+
+    @custom_partitioning
+    def f(*leaves):
+        return call(*split(leaves), out_dtype)
+
+    def fits(mesh, axes) -> bool:
+        ways = tuple(_mesh_size(mesh, _entry(x)) for x in axes)
+        for full, g, w in zip((sides.m, sides.n, sides.k), (sides.gm, sides.gn, sides.gk), ways):
+            if full % w or (w > 1 and (full // w) % g):
+                return False
+        if ways == (1, 1, 1):
+            return True
+        from .gemm import GemmUnsupported
+        la, lb = sides.local(ways)
+
+        def shaped(s, rows_w):
+            return jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape if l.ndim < 2 else l.shape[:-2] + (
+                l.shape[-2] // rows_w, l.shape[-1] // ways[2]), l.dtype), s)
+        try:  # the kernel must take the local shapes too (alignment of N, K % 16, ...)
+            jax.eval_shape(lambda a, b: kernel(a, b, out_dtype), shaped(la, ways[0]), shaped(lb, ways[1]))
+        except GemmUnsupported:
+            return False
+        return True
+
+    def plan(mesh, arg_shapes, result_shape):
+        """Mesh axes of (batch dims, M, N, K) and the K axes the output is scattered on along M."""
+        lead, m, ka = _split_spec(arg_shapes[0].sharding.spec, nbatch)
+        _, n, kb = _split_spec(arg_shapes[na].sharding.spec, nbatch)
+        m = _axes_tuple(m)
+        n = tuple(x for x in _axes_tuple(n) if x not in m)
+        k = tuple(x for x in (_axes_tuple(ka) or _axes_tuple(kb)) if x not in m + n)
+        for drop in range(4):  # keep K, N, M split while the shards are whole blocks the kernel takes
+            axes = (m if drop < 3 else (), n if drop < 2 else (), k if drop < 1 else ())
+            if fits(mesh, axes):
+                break
+        m, n, k = axes
+        scatter = ()
+        if k and result_shape is not None and getattr(result_shape, "sharding", None) is not None:
+            want = tuple(x for x in _axes_tuple(_split_spec(result_shape.sharding.spec, nbatch)[1])
+                         if x in k and x not in m)
+            if want and fits(mesh, (m + want, n, k)):
+                scatter = want
+        return lead, m, n, k, scatter
+
+    def shardings(mesh, lead, m, n, k, scatter):
+        specs = [PS(*lead) if p is None else PS(*lead, _entry(m if i < na else n), _entry(k))
+                 for i, p in enumerate(pers)]
+        out = PS(*lead, _entry(m + scatter), _entry(n))
+        specs += ([PS(*lead, _entry(n))] if has_bias else []) + ([out] if has_acc else [])
+        return [NamedSharding(mesh, s) for s in specs], NamedSharding(mesh, out)
+
+    def partition(mesh, arg_shapes, result_shape):
+        lead, m, n, k, scatter = plan(mesh, arg_shapes, result_shape)
+        args, out = shardings(mesh, lead, m, n, k, scatter)
+        ways = tuple(_mesh_size(mesh, _entry(x)) for x in (m, n, k))
+
+        def lower(*leaves):
+            a, b, bias, acc = split(leaves, ways)
+            if not k:
+                return call(a, b, bias, acc, out_dtype)
+            y = call(a, b, None, None, jnp.float32)  # partial sums over this device's K slice, added in fp32
+            if scatter:
+                y = jax.lax.psum_scatter(y, scatter, scatter_dimension=nbatch, tiled=True)
+            rest = tuple(x for x in k if x not in scatter)
+            y = jax.lax.psum(y, rest) if rest else y
+            if bias is not None:
+                y = y + jnp.expand_dims(bias.astype(jnp.float32), -2)
+            if acc is not None:
+                y = y + acc.astype(jnp.float32)
+            return y.astype(out_dtype)
+        return mesh, lower, out, tuple(args)
+
+    def infer(mesh, arg_shapes, result_shape):
+        return shardings(mesh, *plan(mesh, arg_shapes, None))[1]
+
+    rule, sizes, whole, k_factor = sides.rule(nbatch, has_bias, has_acc)
+    f.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                    reduction_factors=("k",) if k_factor else (), need_replication_factors=whole, **sizes)
+    return f

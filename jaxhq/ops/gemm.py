@@ -86,21 +86,26 @@ def platform() -> str:
 
 
 def _with_fallback(kernel, fallback):
-    """A table entry: the FFI kernel where it applies, else the previously registered implementation."""
+    """A table entry: the FFI kernel where it applies, else the previously registered implementation. The
+    kernel runs as a partitioned call (jaxhq.ffi.partitioning.gemm): under a mesh each device multiplies its
+    own shards, and a contraction split across devices is reduced, so no operand is gathered to fit the call."""
+    from ..ffi import partitioning
     from ..ffi.gemm import GemmUnsupported
 
     def fn(a: Storage, b: Storage, out_dtype):
-        try:
-            return kernel(a, b, out_dtype)
+        try:  # trace-time check only: the kernel raises for operands it does not take
+            jax.eval_shape(lambda a, b: kernel(a, b, out_dtype), a, b)
         except GemmUnsupported:
             return fallback(a, b, out_dtype)
+        return partitioning.gemm(kernel, a, b, out_dtype)
     fn.__name__ = f"gpu_{kernel.__name__}"
     fn._jaxhq_ffi_gemm = True
     return fn
 
 
 def gpu_kernels() -> dict:
-    """{(format of A, format of B): FFI kernel} for the pairs whose kernel passed tests/test_gemm_gpu.py on an H100."""
+    """{(format of A, format of B): FFI kernel} for the pairs whose kernel passed tests/test_gemm_gpu.py on an H100
+    (the same targets have exact CPU handlers, used under JAXHQ_KERNELS=all; see `cpu_kernels_on`)."""
     from ..ffi import gemm as K
     return {("fp8", "fp8"): K.fp8_gemm, ("fp8_block", "fp8_block"): K.fp8_gemm,
             ("mxfp8", "mxfp8"): K.blockscaled_gemm, ("nvfp4", "nvfp4"): K.blockscaled_gemm}
@@ -121,6 +126,14 @@ def register_gpu_gemms() -> list:
     return done
 
 
+def cpu_kernels_on() -> bool:
+    """Whether the GEMMs on the CPU run the FFI targets' CPU handlers (JAXHQ_KERNELS=all, the tests' mode: the
+    CPU program then holds the same custom calls, partitioned the same way, as a GPU one)."""
+    from ..ffi import gemm as K
+    from ..formats.quantize import kernel_platforms
+    return "cpu" in kernel_platforms() and K._registered("cpu")
+
+
 @functools.lru_cache(maxsize=None)
 def _register_gpu_kernels() -> tuple:
     return tuple(register_gpu_gemms())
@@ -135,6 +148,8 @@ def gemm(a: Storage, b: Storage, out_dtype, *, name: str = "gemm", roles=(None, 
     if platform() == "gpu":
         _register_gpu_kernels()
     fn = lookup(fa, fb, platform())
+    if platform() == "cpu" and (fa, fb) in gpu_kernels() and cpu_kernels_on():
+        fn = _with_fallback(gpu_kernels()[(fa, fb)], fn or dequantized_dot)
     if fn is None:
         if not fallback:
             raise GemmError(
