@@ -35,6 +35,10 @@ def _args():
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--recipes", default=",".join(["xla_bf16"] + RECIPES))
+    p.add_argument("--layouts", default=None,
+                   help="comma-separated, of fsdp (weights sharded, gathered as quantized bytes), tp (Megatron "
+                        "column/row-parallel on the tensor axis), sp (tp plus the sequence split on it); all "
+                        "devices on one axis. Default: fsdp on the CPU, fsdp,tp,sp with --gpu")
     p.add_argument("--out", default=None)
     return p.parse_args()
 
@@ -45,6 +49,7 @@ if ARGS is not None and not ARGS.gpu:
                                f" --xla_force_host_platform_device_count={ARGS.devices}").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402  (after XLA_FLAGS)
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -54,7 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxhq  # noqa: E402
 from jaxhq import recipes  # noqa: E402
 from jaxhq.formats import Float8DelayedScaling, init_state  # noqa: E402
-from jaxhq.sharding import constrain, make_mesh, mesh_axes, weight_sharding  # noqa: E402
+from jaxhq.sharding import axis_rules, constrain, make_mesh, mesh_axes, weight_sharding  # noqa: E402
 from jaxhq.sharding.hlo import by_dtype, collectives  # noqa: E402
 from common import print_table, time_fn, write_json  # noqa: E402
 
@@ -76,6 +81,9 @@ def _delayed_states(recipe, layers):
         return None
     return [{n: {s: init_state(getattr(q, s)) for s in ("input", "weight", "grad_output")} for n in ("up", "down")}
             for _ in range(layers)]
+
+
+LAYOUTS = {"fsdp": ("fsdp", False), "tp": ("tensor", False), "sp": ("tensor", True)}  # mesh axis, seq. parallel
 
 
 def make_step(name, mesh):
@@ -106,15 +114,20 @@ def make_step(name, mesh):
     return jax.value_and_grad(loss_fn), recipe
 
 
-def run(name, mesh, params, x, timed):
-    step, recipe = make_step(name, mesh)
-    states = None if name == "xla_bf16" else _delayed_states(recipe, len(params))
-    ps = [{k: NamedSharding(mesh, mesh_axes(AXES[k], None, mesh)) for k in p} for p in params]
-    xs = NamedSharding(mesh, mesh_axes(("batch", "length", "embed"), None, mesh))
-    jitted = jax.jit(step, in_shardings=(ps, xs, None), out_shardings=(None, ps))
-    args = (jax.device_put(params, ps), jax.device_put(x, xs), states)
-    compiled = jitted.lower(*args).compile()
-    gathers = collectives(compiled.as_text(), "all-gather")
+def run(name, layout, params, x, timed):
+    axis, sp = LAYOUTS[layout]
+    mesh, rules = make_mesh(**{axis: len(jax.devices())}), axis_rules(sequence_parallel=sp)
+    with nn.logical_axis_rules(rules):  # constrain and weight_sharding read the rules from the context
+        step, recipe = make_step(name, mesh)
+        states = None if name == "xla_bf16" else _delayed_states(recipe, len(params))
+        ps = [{k: NamedSharding(mesh, mesh_axes(AXES[k], rules, mesh)) for k in p} for p in params]
+        xs = NamedSharding(mesh, mesh_axes(("batch", "length", "embed"), rules, mesh))
+        jitted = jax.jit(step, in_shardings=(ps, xs, None), out_shardings=(None, ps))
+        args = (jax.device_put(params, ps), jax.device_put(x, xs), states)
+        compiled = jitted.lower(*args).compile()
+    hlo = compiled.as_text()
+    gathers = collectives(hlo, "all-gather")
+    reduced = [c for kind in ("all-reduce", "reduce-scatter") for c in collectives(hlo, kind) if len(c.shape) > 1]
     weight_elems = sum(int(p[k].size) for p in params for k in ("up", "down"))
     # Weight gathers: 2D arrays of a kernel copy's shape (either orientation; packed FP4, block scales).
     # Token counts are chosen not to be of that form (seq 96 / 1536), so activation gathers are counted apart,
@@ -123,10 +136,11 @@ def run(name, mesh, params, x, timed):
     kdims = {d, ff}
     parts = {k // j for k in kdims for j in (1, 2, 16, 32, 128)}  # packed FP4 and block-scale columns
     wg = [c for c in gathers if len(c.shape) == 2 and c.shape[0] in parts and c.shape[1] in parts]
-    row = {"variant": name, "weight_gather_bytes": sum(c.nbytes for c in wg),
+    row = {"layout": layout, "variant": name, "weight_gather_bytes": sum(c.nbytes for c in wg),
            "bytes_per_weight_elem": sum(c.nbytes for c in wg) / weight_elems,
            "gathers": len(wg), "weight_dtypes": ",".join(f"{d}:{b}" for d, b in sorted(by_dtype(wg).items())),
-           "other_gather_bytes": sum(c.nbytes for c in gathers) - sum(c.nbytes for c in wg)}
+           "other_gather_bytes": sum(c.nbytes for c in gathers) - sum(c.nbytes for c in wg),
+           "reduce_bytes": sum(c.nbytes for c in reduced)}
     if timed:
         row["step_ms"] = 1e3 * time_fn(compiled, *args, iters=ARGS.iters)
     return row
@@ -142,25 +156,30 @@ def main():
     ff = a.d_ff or (4 * d)
     batch = a.batch or (8 if gpu else 16)
     seq = a.seq or (1536 if gpu else 96)
-    mesh = make_mesh(fsdp=n)
     params, x = init(a.layers, d, ff, batch, seq)
     rows = []
-    for name in a.recipes.split(","):
-        rows.append(run(name, mesh, params, x, timed=gpu or a.time))
-        print(f"  done {name}", flush=True)
-    base = next((r for r in rows if r["variant"] == "bf16"), None)
+    for layout in (a.layouts or ("fsdp,tp,sp" if gpu else "fsdp")).split(","):
+        for name in a.recipes.split(","):
+            rows.append(run(name, layout, params, x, timed=gpu or a.time))
+            r = rows[-1]
+            print(f"  {layout} {name}: other gathers {r['other_gather_bytes']} B"
+                  + (f", step {r['step_ms']:.2f} ms" if "step_ms" in r else ""), flush=True)
     for r in rows:
-        if base:
+        same = {o["variant"]: o for o in rows if o["layout"] == r["layout"]}
+        base, xla = same.get("bf16"), same.get("xla_bf16")
+        if base and base["weight_gather_bytes"]:
             r["ratio_vs_bf16"] = r["weight_gather_bytes"] / base["weight_gather_bytes"]
-            if "step_ms" in r:
-                r["speedup_vs_bf16"] = base["step_ms"] / r["step_ms"]
-        t = TARGETS.get(r["variant"])
+        if base and "step_ms" in r:
+            r["speedup_vs_bf16"] = base["step_ms"] / r["step_ms"]
+        if xla and "step_ms" in r:
+            r["time_vs_xla_bf16"] = r["step_ms"] / xla["step_ms"]
+        t = TARGETS.get(r["variant"]) if r["layout"] == "fsdp" else None
         r["target"] = t
-        r["meets_target"] = None if t is None or base is None else bool(r["ratio_vs_bf16"] <= t)
-    cols = ["variant", "weight_gather_bytes", "bytes_per_weight_elem", "ratio_vs_bf16", "target", "meets_target",
-            "gathers", "weight_dtypes", "other_gather_bytes"]
-    cols += ["step_ms", "speedup_vs_bf16"] if gpu or a.time else []
-    print(f"\nFSDP over {n} {jax.default_backend()} devices: {a.layers} blocks, d={d}, ff={ff}, "
+        r["meets_target"] = None if t is None or "ratio_vs_bf16" not in r else bool(r["ratio_vs_bf16"] <= t)
+    cols = ["layout", "variant", "weight_gather_bytes", "bytes_per_weight_elem", "ratio_vs_bf16", "target",
+            "meets_target", "gathers", "weight_dtypes", "other_gather_bytes", "reduce_bytes"]
+    cols += ["step_ms", "speedup_vs_bf16", "time_vs_xla_bf16"] if gpu or a.time else []
+    print(f"\nSharded over {n} {jax.default_backend()} devices: {a.layers} blocks, d={d}, ff={ff}, "
           f"tokens/step={batch * seq}")
     print_table(rows, cols)
     out = write_json("fsdp_gpu" if gpu else "fsdp", rows, a.out, devices=n, layers=a.layers, d_model=d, d_ff=ff,

@@ -4,7 +4,8 @@
 #   tests: the kernel tests (-m gpu; the quantize tests once per kernel variant in VARIANTS, default: the default
 #          one) and the dense-op and layer tests on the GPU backend, side by side
 #   recheck: only the tests selected by RECHECK (a pytest -k expression over the FFI and dense-op tests)
-#   bench: (RECHECK first when set) the benchmarks named by BENCH (default "train peer gemm quantize"):
+#   bench: (RECHECK first when set) the benchmarks named by BENCH (default "train peer gemm quantize"; also
+#          "fsdp": benchmarks/fsdp.py --gpu over all local GPUs, FSDP_ARGS):
 #          train_step.py (every recipe against bf16; TRAIN_ARGS adds options, e.g. --paths), peer_fp8.py,
 #          gemm.py (GEMM_ARGS) and quantize.py once per kernel variant in VARIANTS (default: the default one)
 set -uo pipefail
@@ -45,7 +46,11 @@ if [ "$MODE" = tests ]; then
   timeout $T $PY -m pytest -q tests/test_train_state.py tests/test_train_remat.py --tb=short -p no:cacheprovider \
     >"$OUTDIR/train_on_gpu.log" 2>&1 &
   wait
-  for f in $(for v in ${VARIANTS:-default}; do echo ffi_gpu_$v; done) gemm_gpu dense_layers_on_gpu train_on_gpu; do
+  NGPU=$(nvidia-smi -L | wc -l)
+  [ "$NGPU" -ge 2 ] && { log "sharding on $NGPU GPUs"; timeout $T $PY -m pytest -q -m gpu tests/test_sharding_gpu.py \
+    --tb=short -p no:cacheprovider >"$OUTDIR/sharding_gpu.log" 2>&1; }
+  for f in $(for v in ${VARIANTS:-default}; do echo ffi_gpu_$v; done) gemm_gpu dense_layers_on_gpu train_on_gpu \
+      $([ "$NGPU" -ge 2 ] && echo sharding_gpu); do
     log "$f"; summary "$OUTDIR/$f.log"
   done
   log "train_step smoke"
@@ -66,6 +71,8 @@ else
           ${TRAIN_ARGS:-} --out "$OUTDIR/train_step.json" 2>&1 | tee "$OUTDIR/train_step.log" | tail -22 ;;
       peer) log "peer_fp8"
         timeout ${PEER_TIMEOUT:-200} $PY benchmarks/peer_fp8.py ${PEER_ARGS:-} --out "$OUTDIR/peer_fp8.json" 2>&1 | tail -18 ;;
+      fsdp) log "fsdp ${FSDP_ARGS:-}"  # sharded steps (FSDP, TP, SP) over all local GPUs
+        timeout ${FSDP_TIMEOUT:-400} $PY benchmarks/fsdp.py --gpu ${FSDP_ARGS:-} --out "$OUTDIR/fsdp_gpu.json" 2>&1 | tail -30 ;;
       gemm) log "gemm"
         timeout 150 $PY benchmarks/gemm.py ${GEMM_ARGS:-} --out "$OUTDIR/gemm.json" 2>&1 | tail -24 ;;
       quantize) for variant in ${VARIANTS:-default}; do
