@@ -1,5 +1,6 @@
-"""Runs tests/test_sharding.py in a subprocess with 8 CPU devices when this process has fewer, so that the
-8-device tests run in the ordinary suite without changing the device count the other test files see.
+"""Runs the 8-device test files (tests/test_sharding.py, tests/test_fsdp_reshard.py) in a subprocess with 8 CPU
+devices when this process has fewer, so that they run in the ordinary suite without changing the device count
+the other test files see.
 
 The subprocess runs the tests not marked slow (JAXHQ_SHARDING_ALL=1: all of them) and compiles with XLA's
 backend optimisation level 0 (half the compile time; the sharded and unsharded steps it compares are built
@@ -13,10 +14,14 @@ import sys
 import pytest
 
 
-def test_sharding_suite_on_8_cpu_devices():
+EIGHT_DEVICE_FILES = ["test_sharding.py", "test_fsdp_reshard.py"]
+
+
+@pytest.mark.parametrize("test_file", EIGHT_DEVICE_FILES)
+def test_sharding_suite_on_8_cpu_devices(test_file):
     import jax
     if jax.device_count() >= 8:
-        pytest.skip("this process already has 8 devices: test_sharding.py runs directly")
+        pytest.skip(f"this process already has 8 devices: {test_file} runs directly")
     here = pathlib.Path(__file__).resolve().parent
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
@@ -26,7 +31,7 @@ def test_sharding_suite_on_8_cpu_devices():
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(jaxhq.__file__)),
                                                     env.get("PYTHONPATH")) if p)
     select = [] if env.get("JAXHQ_SHARDING_ALL") == "1" else ["-m", "not slow"]
-    cmd = [sys.executable, "-m", "pytest", str(here / "test_sharding.py"), "-q", "-x", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", str(here / test_file), "-q", "-x", "-p", "no:cacheprovider",
            *select]
     r = subprocess.run(cmd, cwd=here, env=env, capture_output=True, text=True, timeout=1200)
     tail = (r.stdout + r.stderr)[-8000:]
