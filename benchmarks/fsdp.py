@@ -1,15 +1,20 @@
-"""FSDP with quantized weight all-gathers: bytes gathered per training step (from the compiled HLO), and on
-GPUs the step time, bf16 versus each recipe.
+"""Sharded training steps: bytes gathered and reduced per step (from the compiled HLO), and on GPUs the step
+time, bf16 and XLA versus each recipe, under FSDP, tensor parallelism (tp) and sequence parallelism (sp).
 
 The model is a stack of pre-norm MLP blocks (rmsnorm, up [d, ff], gelu, down [ff, d]) with fp32 master weights
-sharded on `fsdp`, computed in bf16. Every variant goes through jaxhq.ops.dense with the same FSDP hook
+sharded on `fsdp` (layout fsdp) or split column/row-parallel on `tensor` (tp, sp), computed in bf16. Every variant goes through jaxhq.ops.dense with the same FSDP hook
 (jaxhq.sharding.weight_sharding): each weight is gathered for the forward and again for the backward, as FSDP
 does; the bf16 recipe gathers bf16, the others their quantized copies (data and block scales as uint8).
+A "+keep" suffix (e.g. "fp8_current+keep") builds the step with reshard_after_forward=False: the columnwise
+copies are gathered in the forward and kept for the backward. As many bytes move per step; the trade shows with
+the step compiled as forward and backward programs: bytes the forward hands over (fwd_to_bwd_bytes, per device)
+against the backward's weight gathers (bwd_weight_gather_bytes). temp_bytes, arg_bytes: the one-program step's.
 "xla_bf16" is plain `x @ w` in bf16 with XLA choosing the gathers (it keeps the gathered weight for the
 backward). Targets: gathered bytes <= 0.55x bf16 for FP8/MXFP8 and <= 0.3x for NVFP4.
 
 CPU (default): compiles only, on N host devices (--devices, default 8), and reads the bytes from the HLO.
---gpu: all local GPUs on one fsdp axis; also times the step (median of --iters after warm-up).
+--gpu: all local GPUs on one axis per layout; also times the step (median of --iters after warm-up).
+other_gather_bytes: all-gathers that are not weight copies (activations; target 0 outside sp).
 Prints a table and writes JSON (--out, default benchmarks/results/fsdp[_gpu].json).
 """
 from __future__ import annotations
@@ -34,7 +39,8 @@ def _args():
     p.add_argument("--batch", type=int, default=None, help="sequences per step (global)")
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--recipes", default=",".join(["xla_bf16"] + RECIPES))
+    p.add_argument("--recipes", default=",".join(["xla_bf16"] + RECIPES),
+                   help="comma-separated variants: xla_bf16, a recipe, or RECIPE+keep (reshard_after_forward=False)")
     p.add_argument("--layouts", default=None,
                    help="comma-separated, of fsdp (weights sharded, gathered as quantized bytes), tp (Megatron "
                         "column/row-parallel on the tensor axis), sp (tp plus the sequence split on it); all "
@@ -86,10 +92,19 @@ def _delayed_states(recipe, layers):
 LAYOUTS = {"fsdp": ("fsdp", False), "tp": ("tensor", False), "sp": ("tensor", True)}  # mesh axis, seq. parallel
 
 
-def make_step(name, mesh):
-    """(params, x, states) -> (loss, grads): the training step's compute under recipe `name`."""
-    hook = name != "xla_bf16"
-    recipe = recipes.get("bf16" if name == "xla_bf16" else name)
+def variant(name):
+    """(recipe name, reshard_after_forward) of a variant name: RECIPE or RECIPE+keep."""
+    base, plus, option = name.partition("+")
+    if plus and (option != "keep" or base == "xla_bf16"):
+        raise SystemExit(f"unknown variant {name!r}: a recipe name, optionally with '+keep' (not xla_bf16)")
+    return base, not plus
+
+
+def make_loss(name, mesh):
+    """(params, x, states) -> loss: the training step's forward under variant `name`."""
+    base, reshard_after_forward = variant(name)
+    hook = base != "xla_bf16"
+    recipe = recipes.get("bf16" if base == "xla_bf16" else base)
 
     def loss_fn(params, x, states):
         h = constrain(x, ("batch", "length", "embed"), mesh)
@@ -102,7 +117,8 @@ def make_step(name, mesh):
                     n = n @ k
                 else:
                     qs = recipe.dense_quantizers(f"layers_{i}.{part}")
-                    ws = weight_sharding(AXES[part], f"layers_{i}.{part}", mesh=mesh)
+                    ws = weight_sharding(AXES[part], f"layers_{i}.{part}", mesh=mesh,
+                                         reshard_after_forward=reshard_after_forward)
                     st = None if states is None else states[i][part]
                     n = jaxhq.dense(n, k, quantizers=qs, weight_sharding=ws, states=st,
                                     key=jax.random.key(i * 2 + (part == "down")))
@@ -111,36 +127,57 @@ def make_step(name, mesh):
             h = h + constrain(n, ("batch", "length", "embed"), mesh)
         return jnp.mean(h.astype(jnp.float32) ** 2)
 
-    return jax.value_and_grad(loss_fn), recipe
+    return loss_fn, recipe
+
+
+def _weight_gathers(gathers, params):
+    """Weight gathers: 2D arrays of a kernel copy's shape (either orientation; packed FP4, block scales).
+    Token counts are chosen not to be of that form (seq 96 / 1536), so activation gathers are counted apart,
+    as are the norm scales (1D fp32)."""
+    d, ff = params[0]["up"].shape
+    parts = {k // j for k in (d, ff) for j in (1, 2, 16, 32, 128)}  # packed FP4 and block-scale columns
+    return [c for c in gathers if len(c.shape) == 2 and c.shape[0] in parts and c.shape[1] in parts]
+
+
+def _split(loss_fn, args, params):
+    """(bytes per device the forward hands to the backward, the backward's weight gathers) of the step compiled
+    as two programs, forward (jax.vjp) then backward. In one program XLA places each gather where it likes, so
+    reshard_after_forward binds only where something fixes what is saved (separate programs, scanned layers)."""
+    fwd = jax.jit(lambda ps, x, st: jax.vjp(lambda ps: loss_fn(ps, x, st), ps)).lower(*args).compile()
+    _, vjp_fn = fwd(*args)
+    bwd = jax.jit(lambda f, g: f(g)).lower(vjp_fn, jnp.float32(1)).compile()
+    held = getattr(fwd.memory_analysis(), "output_size_in_bytes", None)
+    return held, _weight_gathers(collectives(bwd.as_text(), "all-gather"), params)
 
 
 def run(name, layout, params, x, timed):
     axis, sp = LAYOUTS[layout]
     mesh, rules = make_mesh(**{axis: len(jax.devices())}), axis_rules(sequence_parallel=sp)
     with nn.logical_axis_rules(rules):  # constrain and weight_sharding read the rules from the context
-        step, recipe = make_step(name, mesh)
-        states = None if name == "xla_bf16" else _delayed_states(recipe, len(params))
+        loss_fn, recipe = make_loss(name, mesh)
+        step = jax.value_and_grad(loss_fn)
+        states = None if variant(name)[0] == "xla_bf16" else _delayed_states(recipe, len(params))
         ps = [{k: NamedSharding(mesh, mesh_axes(AXES[k], rules, mesh)) for k in p} for p in params]
         xs = NamedSharding(mesh, mesh_axes(("batch", "length", "embed"), rules, mesh))
         jitted = jax.jit(step, in_shardings=(ps, xs, None), out_shardings=(None, ps))
         args = (jax.device_put(params, ps), jax.device_put(x, xs), states)
         compiled = jitted.lower(*args).compile()
-    hlo = compiled.as_text()
+        hlo = compiled.as_text()
+        split = _split(loss_fn, args, params) if layout == "fsdp" else (None, [])
     gathers = collectives(hlo, "all-gather")
     reduced = [c for kind in ("all-reduce", "reduce-scatter") for c in collectives(hlo, kind) if len(c.shape) > 1]
     weight_elems = sum(int(p[k].size) for p in params for k in ("up", "down"))
-    # Weight gathers: 2D arrays of a kernel copy's shape (either orientation; packed FP4, block scales).
-    # Token counts are chosen not to be of that form (seq 96 / 1536), so activation gathers are counted apart,
-    # as are the norm scales (1D fp32).
-    d, ff = params[0]["up"].shape
-    kdims = {d, ff}
-    parts = {k // j for k in kdims for j in (1, 2, 16, 32, 128)}  # packed FP4 and block-scale columns
-    wg = [c for c in gathers if len(c.shape) == 2 and c.shape[0] in parts and c.shape[1] in parts]
+    wg = _weight_gathers(gathers, params)
     row = {"layout": layout, "variant": name, "weight_gather_bytes": sum(c.nbytes for c in wg),
            "bytes_per_weight_elem": sum(c.nbytes for c in wg) / weight_elems,
            "gathers": len(wg), "weight_dtypes": ",".join(f"{d}:{b}" for d, b in sorted(by_dtype(wg).items())),
            "other_gather_bytes": sum(c.nbytes for c in gathers) - sum(c.nbytes for c in wg),
            "reduce_bytes": sum(c.nbytes for c in reduced)}
+    mem = compiled.memory_analysis()  # per device; None (or missing fields) on backends that do not report it
+    row["temp_bytes"] = getattr(mem, "temp_size_in_bytes", None)
+    row["arg_bytes"] = getattr(mem, "argument_size_in_bytes", None)
+    row["fwd_to_bwd_bytes"] = split[0]  # the FSDP layout only: where reshard_after_forward binds
+    row["bwd_weight_gather_bytes"] = sum(c.nbytes for c in split[1])
     if timed:
         row["step_ms"] = 1e3 * time_fn(compiled, *args, iters=ARGS.iters)
     return row
@@ -173,11 +210,12 @@ def main():
             r["speedup_vs_bf16"] = base["step_ms"] / r["step_ms"]
         if xla and "step_ms" in r:
             r["time_vs_xla_bf16"] = r["step_ms"] / xla["step_ms"]
-        t = TARGETS.get(r["variant"]) if r["layout"] == "fsdp" else None
+        t = TARGETS.get(variant(r["variant"])[0]) if r["layout"] == "fsdp" else None
         r["target"] = t
         r["meets_target"] = None if t is None or "ratio_vs_bf16" not in r else bool(r["ratio_vs_bf16"] <= t)
     cols = ["layout", "variant", "weight_gather_bytes", "bytes_per_weight_elem", "ratio_vs_bf16", "target",
-            "meets_target", "gathers", "weight_dtypes", "other_gather_bytes", "reduce_bytes"]
+            "meets_target", "gathers", "weight_dtypes", "other_gather_bytes", "reduce_bytes", "temp_bytes",
+            "fwd_to_bwd_bytes", "bwd_weight_gather_bytes"]
     cols += ["step_ms", "speedup_vs_bf16", "time_vs_xla_bf16"] if gpu or a.time else []
     print(f"\nSharded over {n} {jax.default_backend()} devices: {a.layers} blocks, d={d}, ff={ff}, "
           f"tokens/step={batch * seq}")

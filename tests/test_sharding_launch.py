@@ -1,5 +1,5 @@
-"""Runs the 8-device test files in a subprocess with 8 CPU devices when this process has fewer, so that they
-run in the ordinary suite without changing the device count the other test files see.
+"""Runs the 8-device test files (EIGHT_DEVICE_FILES) in a subprocess with 8 CPU devices when this process has
+fewer, so that they run in the ordinary suite without changing the device count the other test files see.
 
 The subprocess runs the tests not marked slow (JAXHQ_SHARDING_ALL=1: all of them) with JAXHQ_KERNELS=all (the
 FFI quantize and GEMM custom calls on their CPU handlers: the program structure a GPU compiles, partitioning
@@ -14,14 +14,14 @@ import sys
 import pytest
 
 
-FILES = ["test_sharding.py", "test_gemm_sharding.py"]
+EIGHT_DEVICE_FILES = ["test_sharding.py", "test_gemm_sharding.py", "test_fsdp_reshard.py"]
 
 
-@pytest.mark.parametrize("name", FILES)
-def test_sharding_suite_on_8_cpu_devices(name):
+@pytest.mark.parametrize("test_file", EIGHT_DEVICE_FILES)
+def test_sharding_suite_on_8_cpu_devices(test_file):
     import jax
     if jax.device_count() >= 8:
-        pytest.skip("this process already has 8 devices: test_sharding.py runs directly")
+        pytest.skip(f"this process already has 8 devices: {test_file} runs directly")
     here = pathlib.Path(__file__).resolve().parent
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
@@ -32,7 +32,7 @@ def test_sharding_suite_on_8_cpu_devices(name):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(jaxhq.__file__)),
                                                     env.get("PYTHONPATH")) if p)
     select = [] if env.get("JAXHQ_SHARDING_ALL") == "1" else ["-m", "not slow"]
-    cmd = [sys.executable, "-m", "pytest", str(here / name), "-q", "-x", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", str(here / test_file), "-q", "-x", "-p", "no:cacheprovider",
            *select]
     r = subprocess.run(cmd, cwd=here, env=env, capture_output=True, text=True, timeout=1200)
     tail = (r.stdout + r.stderr)[-8000:]

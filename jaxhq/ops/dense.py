@@ -10,7 +10,9 @@ Delayed-scaling state: the input and weight states are updated by the forward (r
 state through the gradient: the cotangent returned for `states["grad_output"]` is its new value.
 Sharding (FSDP): with `weight_sharding` (jaxhq.sharding.WeightSharding) the weight is quantized per shard and
 its copies gathered as quantized bytes, the rowwise one for the forward, the columnwise one again in the
-backward (the residual stays sharded, as FSDP frees gathered weights); see jaxhq/sharding/gather.py.
+backward (the residual stays sharded, as FSDP frees gathered weights); see jaxhq/sharding/gather.py. With
+`reshard_after_forward=False` the forward gathers the columnwise copy too and saves it gathered, so the
+backward gathers nothing (FSDP2's option: the gather leaves the backward, the gathered copy stays in memory).
 """
 from __future__ import annotations
 
@@ -93,7 +95,10 @@ def _dense_fwd(x, kernel, bias, states, key, qs, wsh):
     y, new, qx, qw = _forward(x, kernel, bias, states, key, qs, (ROWWISE, COLUMNWISE), (ROWWISE, COLUMNWISE),
                               wsh)
     saved_x = QTensor(columnwise=qx.columnwise, shape=qx.shape, dtype=qx.dtype)
-    saved_w = QTensor(columnwise=qw.columnwise, shape=qw.shape, dtype=qw.dtype)
+    w_col = qw.columnwise  # saved sharded like the kernel (FSDP frees the gathered copy) ...
+    if wsh is not None and not wsh.reshard_after_forward:
+        w_col = wsh.gathered(w_col)  # ... or gathered now and kept for the backward
+    saved_w = QTensor(columnwise=w_col, shape=qw.shape, dtype=qw.dtype)
     # Named so that a remat policy can keep exactly these (the quantized copies) and recompute the rest.
     saved_x, saved_w = jax.tree.map(lambda v: checkpoint_name(v, QUANTIZED_RESIDUAL), (saved_x, saved_w))
     meta = _Meta((x.shape, x.dtype, kernel.dtype, None if bias is None else bias.dtype))
@@ -107,7 +112,9 @@ def _dense_bwd(qs, wsh, res, cts):
     dy2d = dy.reshape(-1, dy.shape[-1])
     _, _, kdy = _keys(key)
     qdy = _quantize(dy2d, qs, "grad_output", (ROWWISE, COLUMNWISE), kdy, dy_state)
-    w_col = saved_w.columnwise if wsh is None else wsh.gathered(saved_w.columnwise)  # re-gathered (FSDP)
+    w_col = saved_w.columnwise
+    if wsh is not None and wsh.reshard_after_forward:
+        w_col = wsh.gathered(w_col)  # the residual was saved sharded: re-gathered
     dx = gemm(qdy.rowwise, w_col, x_dtype, name="dgrad",
               roles=(qs.role("grad_output"), qs.role("weight")), fallback=qs.allow_dequantized_fallback)
     wgrad = functools.partial(gemm, out_dtype=k_dtype, name="wgrad", roles=(qs.role("input"), qs.role("grad_output")),

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .gather import ShardingError, WeightSharding, _axes
+from .gather import ShardingError, WeightSharding, _axes, _reshard_after_forward
 from .rules import LogicalAxes, current_mesh, current_rules, mesh_axes
 
 
@@ -54,11 +54,12 @@ class ExpertSharding:
         return jax.lax.with_sharding_constraint(xs, NamedSharding(self.mesh, spec))
 
 
-def expert_sharding(kernel_axes: LogicalAxes, name: str = "", *, mesh=None, rules=None,
-                    gather: tuple = ("fsdp",)) -> Optional[ExpertSharding]:
+def expert_sharding(kernel_axes: LogicalAxes, name: str = "", *, mesh=None, rules=None, gather: tuple = ("fsdp",),
+                    reshard_after_forward: Optional[bool] = None) -> Optional[ExpertSharding]:
     """The ExpertSharding of stacked kernels [E, K, N] with logical `kernel_axes` (e.g. ("expert", "embed",
     "mlp")), from the given or current mesh and rules; None without a mesh or when the expert dim is whole
-    (the grouped op then runs as before, every device computing every expert)."""
+    (the grouped op then runs as before, every device computing every expert). reshard_after_forward: as in
+    `weight_sharding`, for each expert's kernel."""
     mesh = mesh if mesh is not None else current_mesh()
     if mesh is None or len(kernel_axes) != 3:
         return None
@@ -70,5 +71,6 @@ def expert_sharding(kernel_axes: LogicalAxes, name: str = "", *, mesh=None, rule
         return None
     batch = _axes(mesh_axes(("batch",), rules, mesh)[0])
     tokens = tuple(a for a in batch if a not in axes and sizes[a] > 1)
-    kernel = WeightSharding(mesh, (spec[1], spec[2]), gather, name, tokens)
+    kernel = WeightSharding(mesh, (spec[1], spec[2]), gather, name, tokens,
+                            _reshard_after_forward(reshard_after_forward))
     return ExpertSharding(mesh, axes, kernel, tokens, name)

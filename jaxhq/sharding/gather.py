@@ -7,9 +7,14 @@ it constrained to the gathered layout (the fsdp axes dropped), so the all-gather
 carries the quantized data and scales, bitcast to uint8 (bf16: uint16) so no backend widens them to move them. The
 result is bit-equal to quantizing the unsharded kernel, provided no block straddles two shards: `check` raises
 at trace time where a shard is not a whole number of blocks.
+When to gather the columnwise copy (the dgrad's) is FSDP2's `reshard_after_forward`: True (the default) keeps
+the residual sharded and gathers it again in the backward; False gathers it in the forward and keeps it
+gathered until the backward (no backward gather, more memory held). `fsdp_options` sets it for a block of code.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from typing import Any, Optional
@@ -52,6 +57,8 @@ class WeightSharding:
 
     spec: mesh axes of (in, out), each None, a name or a tuple of names. gather: the axes dropped for use
     (FSDP); the others (tensor) stay split, as Megatron's column/row-parallel GEMMs want. name labels errors.
+    reshard_after_forward: the dense op saves the columnwise copy sharded and gathers it in the backward
+    (True), or saves it gathered from the forward (False: no backward gather, the gathered copy held meanwhile).
     """
 
     mesh: Any
@@ -59,6 +66,7 @@ class WeightSharding:
     gather: tuple = ("fsdp",)
     name: str = ""
     batch: tuple = ()  # mesh axes the tokens of the GEMM operands are split on (the rules' "batch")
+    reshard_after_forward: bool = True
 
     def __post_init__(self):
         spec = tuple(None if not _axes(e) else _axes(e) for e in self.spec)
@@ -207,14 +215,36 @@ class WeightSharding:
         return batch, scatter, tuple(x for x in batch if x not in used)
 
 
-def weight_sharding(kernel_axes: LogicalAxes, name: str = "", *, mesh=None, rules=None,
-                    gather: tuple = ("fsdp",)) -> Optional[WeightSharding]:
+_RESHARD_AFTER_FORWARD = contextvars.ContextVar("jaxhq_reshard_after_forward", default=True)
+
+
+@contextlib.contextmanager
+def fsdp_options(*, reshard_after_forward: bool = True):
+    """FSDP choices for the weights whose sharding is built inside the block (`weight_sharding` and
+    `expert_sharding` without the keyword, hence every jaxhq layer). Read when the step is traced: a jitted
+    function traced outside the block keeps its choice, so enter the block around the first call (or the lower)."""
+    token = _RESHARD_AFTER_FORWARD.set(bool(reshard_after_forward))
+    try:
+        yield
+    finally:
+        _RESHARD_AFTER_FORWARD.reset(token)
+
+
+def _reshard_after_forward(value: Optional[bool] = None) -> bool:
+    """`value`, or when None the one of the enclosing `fsdp_options` block (default True)."""
+    return _RESHARD_AFTER_FORWARD.get() if value is None else bool(value)
+
+
+def weight_sharding(kernel_axes: LogicalAxes, name: str = "", *, mesh=None, rules=None, gather: tuple = ("fsdp",),
+                    reshard_after_forward: Optional[bool] = None) -> Optional[WeightSharding]:
     """The WeightSharding of a kernel [in, out] with logical `kernel_axes` (a dim may fuse names, e.g.
     ("embed", ("heads", "kv"))), from the given or current mesh (`jax.set_mesh`) and rules
-    (`nn.logical_axis_rules`); None without a mesh, which makes the dense op unsharded as before."""
+    (`nn.logical_axis_rules`); None without a mesh, which makes the dense op unsharded as before.
+    reshard_after_forward: see WeightSharding; None takes it from `fsdp_options` (default True)."""
     mesh = mesh if mesh is not None else current_mesh()
     if mesh is None:
         return None
     rules = rules if rules is not None else current_rules()
     batch = _axes(mesh_axes(("batch",), rules, mesh)[0])
-    return WeightSharding(mesh, tuple(mesh_axes(kernel_axes, rules, mesh)), gather, name, batch)
+    return WeightSharding(mesh, tuple(mesh_axes(kernel_axes, rules, mesh)), gather, name, batch,
+                          _reshard_after_forward(reshard_after_forward))
