@@ -3,9 +3,10 @@
 // columns, written transposed). Every single-format quantization is this kernel with the same (or no)
 // format on the other side. Numerics: numerics.h, equal to the CPU handlers bit for bit.
 //
-// Work split: each copy's tile is 128 copy-rows x 8 chunks of 16 elements; thread t handles chunks
-// t, t+256, t+512, t+768 with the copy row varying fastest across a warp (conflict-free shared reads in
-// both orientations, the smem row stride being odd). Phase A: per-chunk amax into shared memory;
+// Work split: each copy's tile is 128 copy-rows x 8 chunks of 16 elements, taken in 4 rounds of 256; in a
+// round a warp holds 8 consecutive copy rows x 4 consecutive chunks (`chunk_of`), so its stores are whole
+// 32-byte sectors (FP4: 8 rows x 32 bytes; FP8: 8 rows x 64) and its shared reads of a tile row hit 32
+// banks (columns: 2-way; the smem row stride is odd). Phase A: per-chunk amax into shared memory;
 // phase B: block amax from the chunk amaxes, scale, encode, store.
 #include "cuda_common.cuh"
 #include "cuda_launch.h"
@@ -89,6 +90,13 @@ __device__ __forceinline__ void read_chunk(const T* tile, int s, int cr, int ch,
   if (rht) rht16(v);
 }
 
+// Round `it` of this thread: its copy row `cr` in the tile and its chunk `ch` along that row (see the top).
+__device__ __forceinline__ void chunk_of(int it, int& cr, int& ch) {
+  const int q = it * kThreads + int(threadIdx.x), g = q >> 5, l = q & 31;
+  cr = 8 * (g & 15) + (l & 7);
+  ch = 4 * (g >> 4) + (l >> 3);
+}
+
 template <typename T, bool kBatched>
 __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
   Smem<T>& sm = *dynamic_smem<Smem<T>>();
@@ -103,13 +111,27 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
     const SideParams& sp = p.side[s];
     if (sp.fmt == kNone || sp.fmt == kFp8Tensor) continue;
     const bool rht = sp.fmt == kNvfp4 && (sp.opts & kRHT);
+    // NVFP4 and MXFP8 scales read only whether the amax is NaN, not which NaN: the max of the |v| bit
+    // patterns (NaN patterns above Inf) is that amax in two integer operations per element
+    const bool bits = sp.fmt == kNvfp4 || sp.fmt == kMxfp8;
     for (int it = 0; it < kTile * kChunks / kThreads; ++it) {
-      const int id = it * kThreads + threadIdx.x, cr = id % kTile, ch = id / kTile;
+      int cr, ch;
+      chunk_of(it, cr, ch);
       float v[16];
       read_chunk(sm.tile, s, cr, ch, rht, v);
       float a = 0.0f;
+      if (bits) {
+        uint32_t m = 0u;
 #pragma unroll
-      for (int e = 0; e < 16; ++e) a = amax_acc(a, v[e]);
+        for (int e = 0; e < 16; ++e) {
+          const uint32_t u = f2u(v[e]) & 0x7FFFFFFFu;
+          m = u > m ? u : m;
+        }
+        a = u2f(m);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 16; ++e) a = amax_acc(a, v[e]);
+      }
       sm.camax[s][cr * kChunks + ch] = a;
     }
   }
@@ -134,7 +156,8 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
     if (sp.fmt == kNone) continue;
     const int64_t cr0 = s == 0 ? r0 : c0, cc0 = s == 0 ? c0 : r0;  // this tile's origin in the copy
     for (int it = 0; it < kTile * kChunks / kThreads; ++it) {
-      const int id = it * kThreads + threadIdx.x, cr = id % kTile, ch = id / kTile;
+      int cr, ch;
+      chunk_of(it, cr, ch);
       const int64_t gr = cr0 + cr, gc = cc0 + ch * 16;
       if (gr >= sp.R || gc >= sp.C) continue;
       float v[16];

@@ -48,22 +48,24 @@ template <> __device__ constexpr int dtype_id<__half>() { return kF16; }
 
 // The E2M1 codes of N values (N even) of copy row gr from column gc, two per byte (the even column in the low
 // nibble; columns at or past C encode 0): v * enc clipped to +-6, rounded to nearest even or, with `sr`,
-// stochastically by global position (the seed words of spec.h).
+// stochastically by global position (the seed words of spec.h). The clip is implicit: e2m1_code saturates and
+// passes NaN as the clip does, e2m1_code_sr clips itself. `finite`: every v * enc is finite, so the shorter
+// e2m1_code_finite applies.
 template <int N>
-__device__ __forceinline__ void nvfp4_codes(const float (&v)[N], float enc, bool sr, const uint32_t* seed, int side,
-                                            int64_t gr, int64_t gc, int64_t C, uint8_t (&out)[N / 2]) {
+__device__ __forceinline__ void nvfp4_codes(const float (&v)[N], float enc, bool sr, bool finite,
+                                            const uint32_t* seed, int side, int64_t gr, int64_t gc, int64_t C,
+                                            uint8_t (&out)[N / 2]) {
   const SrIndex si = sr_index(seed, side);
+  const uint64_t base = (uint64_t(gr) + si.roff) * si.cols + uint64_t(gc) + si.coff;
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) {
     uint8_t code[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const float q = nclip(v[2 * i + j] * enc, -6.0f, 6.0f);
-      const int64_t c = gc + 2 * i + j;
-      code[j] = sr ? e2m1_code_sr(q, sr_uniform(seed[0], seed[1], uint32_t(side),
-                                                (uint64_t(gr) + si.roff) * si.cols + uint64_t(c) + si.coff))
-                   : e2m1_code(q);
-      if (c >= C) code[j] = 0;
+      const float q = v[2 * i + j] * enc;
+      code[j] = sr ? e2m1_code_sr(q, sr_uniform(seed[0], seed[1], uint32_t(side), base + uint64_t(2 * i + j)))
+                   : finite ? e2m1_code_finite(q) : e2m1_code(q);
+      if (gc + 2 * i + j >= C) code[j] = 0;
     }
     out[i] = uint8_t(code[0] | (code[1] << 4));
   }
@@ -95,11 +97,12 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
   uint8_t* scale = sp.scale + b * sp.sbytes;
   const float tscale = p.scales[2 * b + s];
   if (sp.fmt == kNvfp4) {
-    const float dec = nvfp4_decode_value(amax, tscale);
-    if (gc % 16 == 0) scale[gr * ((C + 15) / 16) + gc / 16] = fp8_encode_sw(dec, false);
-    uint8_t out[N / 2];
-    nvfp4_codes(v, nvfp4_encode_mult(dec, tscale), sp.opts & kStochastic, p.seed + kSeedWords * b, s, gr, gc, C,
-                out);
+    const uint8_t sbyte = nvfp4_scale_byte(amax, tscale);  // the scale's E4M3 byte; dec is its value
+    const float dec = e4m3_value(sbyte);
+    if (gc % 16 == 0) scale[gr * ((C + 15) / 16) + gc / 16] = sbyte;
+    const float enc = nvfp4_encode_mult(dec, tscale);
+    uint8_t out[N / 2];  // |v| <= amax, so amax * enc finite (not NaN) bounds every v * enc
+    nvfp4_codes(v, enc, sp.opts & kStochastic, amax * enc <= 3.4e38f, p.seed + kSeedWords * b, s, gr, gc, C, out);
     const int64_t pc = (C + 1) / 2;
     store_bytes(data + gr * pc + gc / 2, out, (C - gc + 1) / 2, pc % (N / 2) == 0);
     return;
