@@ -57,15 +57,20 @@ __device__ __forceinline__ void nvfp4_codes(const float (&v)[N], float enc, bool
                                             uint8_t (&out)[N / 2]) {
   const SrIndex si = sr_index(seed, side);
   const uint64_t base = (uint64_t(gr) + si.roff) * si.cols + uint64_t(gc) + si.coff;
+  const bool one_high = uint32_t(base) <= 0xFFFFFFFFu - N;  // the N indices share their high word
+  const uint32_t high = sr_high(seed[1], base);
+  const int64_t valid = C - gc;  // columns of this chunk inside the copy
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) {
     uint8_t code[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const float q = v[2 * i + j] * enc;
-      code[j] = sr ? e2m1_code_sr(q, sr_uniform(seed[0], seed[1], uint32_t(side), base + uint64_t(2 * i + j)))
+      const uint64_t idx = base + uint64_t(2 * i + j);
+      code[j] = sr ? e2m1_code_sr(q, one_high ? sr_uniform_low(seed[0], high, uint32_t(side), uint32_t(idx))
+                                              : sr_uniform(seed[0], seed[1], uint32_t(side), idx))
                    : finite ? e2m1_code_finite(q) : e2m1_code(q);
-      if (gc + 2 * i + j >= C) code[j] = 0;
+      if (2 * i + j >= valid) code[j] = 0;
     }
     out[i] = uint8_t(code[0] | (code[1] << 4));
   }

@@ -178,18 +178,16 @@ JHQ_HD uint8_t e2m1_code_finite(float y) {
 }
 // Magnitude of E2M1 code c in 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6 (no table: registers only on the GPU).
 JHQ_HD float e2m1_grid(int c) { return c < 4 ? 0.5f * float(c) : (c < 6 ? float(c - 2) : 2.0f * float(c - 4)); }
-// Stochastic E2M1: up with probability (a - lo) / (hi - lo), u uniform in [0, 1).
+// Stochastic E2M1: up with probability (a - lo) / (hi - lo), u uniform in [0, 1), a = min(|y|, 6). The grid
+// step is 0.5 below 2, 1 below 4, 2 above, so with t = a / step (exact: a power of two) lo is the code where the
+// step starts plus floor(t), and the probability is t - floor(t) (exact). NaN gives 0 | sign.
 JHQ_HD uint8_t e2m1_code_sr(float y, float u) {
-  float a = nmin(abs_f(y), 6.0f);
-  int lo = 0;
-#pragma unroll
-  for (int i = 1; i < 8; ++i) lo += (a >= e2m1_grid(i));
-  int hi = lo < 7 ? lo + 1 : 7;
-  float glo = e2m1_grid(lo);
-  // (a - lo) / (hi - lo) with hi - lo a power of two (0.5, 1, 2): the same value as a multiplication by its
-  // reciprocal, which is exact
-  float p = lo < 7 ? (a - glo) * (lo < 4 ? 2.0f : lo < 6 ? 1.0f : 0.5f) : 0.0f;
-  uint8_t mag = uint8_t(u < p ? hi : lo);
+  const float a = nmin(abs_f(y), 6.0f);
+  const bool small = a < 2.0f, mid = a < 4.0f;
+  const float t = a * (small ? 2.0f : mid ? 1.0f : 0.5f), f = floorf(t);
+  const int lo = (small ? 0 : mid ? 2 : 4) + int(f);
+  uint8_t mag = uint8_t(lo < 7 && u < t - f ? lo + 1 : lo);
+  if (is_nan(a)) mag = 0;
   return mag | ((f2u(y) >> 31) ? 8 : 0);
 }
 JHQ_HD float e2m1_value(uint8_t c) {
@@ -228,10 +226,15 @@ JHQ_HD uint32_t mix32(uint32_t x) {
   x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
   return x;
 }
-JHQ_HD float sr_uniform(uint32_t s0, uint32_t s1, uint32_t stream, uint64_t index) {
-  uint32_t h = mix32(s0 ^ mix32(uint32_t(index) + 0x9e3779b9u * stream));
-  h = mix32(h ^ s1 ^ mix32(uint32_t(index >> 32) + 0x85ebca6bu));
+// The hash in two parts: `high` = s1 ^ mix32(index >> 32 + c) is shared by the indices of one 2^32 range, so a
+// kernel computes it once per run of consecutive indices.
+JHQ_HD uint32_t sr_high(uint32_t s1, uint64_t index) { return s1 ^ mix32(uint32_t(index >> 32) + 0x85ebca6bu); }
+JHQ_HD float sr_uniform_low(uint32_t s0, uint32_t high, uint32_t stream, uint32_t index_low) {
+  const uint32_t h = mix32(mix32(s0 ^ mix32(index_low + 0x9e3779b9u * stream)) ^ high);
   return float(h >> 8) * 5.9604644775390625e-08f;  // 2^-24
+}
+JHQ_HD float sr_uniform(uint32_t s0, uint32_t s1, uint32_t stream, uint64_t index) {
+  return sr_uniform_low(s0, sr_high(s1, index), stream, uint32_t(index));
 }
 
 // 16-point random Hadamard transform (nvfp4.apply_rht): v -> H (signs * v) / 4, Sylvester H, in place.
