@@ -1,4 +1,4 @@
-"""Runs tests/test_sharding.py in a subprocess with 8 CPU devices when this process has fewer, so that the
+"""Runs tests/test_sharding.py (and test_moe_dispatch.py's 8-device tests) in a subprocess with 8 CPU devices when this process has fewer, so that the
 8-device tests run in the ordinary suite without changing the device count the other test files see.
 
 The subprocess runs the tests not marked slow (JAXHQ_SHARDING_ALL=1: all of them) and compiles with XLA's
@@ -12,12 +12,13 @@ import sys
 
 import pytest
 
+HERE = pathlib.Path(__file__).resolve().parent
 
-def test_sharding_suite_on_8_cpu_devices():
+
+def _run_on_8_devices(*pytest_args):
     import jax
     if jax.device_count() >= 8:
         pytest.skip("this process already has 8 devices: test_sharding.py runs directly")
-    here = pathlib.Path(__file__).resolve().parent
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
                                  "--xla_backend_optimization_level=0"]).strip()
@@ -26,9 +27,16 @@ def test_sharding_suite_on_8_cpu_devices():
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(jaxhq.__file__)),
                                                     env.get("PYTHONPATH")) if p)
     select = [] if env.get("JAXHQ_SHARDING_ALL") == "1" else ["-m", "not slow"]
-    cmd = [sys.executable, "-m", "pytest", str(here / "test_sharding.py"), "-q", "-x", "-p", "no:cacheprovider",
-           *select]
-    r = subprocess.run(cmd, cwd=here, env=env, capture_output=True, text=True, timeout=1200)
+    cmd = [sys.executable, "-m", "pytest", *pytest_args, "-q", "-x", "-p", "no:cacheprovider", *select]
+    r = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=1200)
     tail = (r.stdout + r.stderr)[-8000:]
     assert r.returncode == 0, f"8-device sharding tests failed ({' '.join(cmd)}):\n{tail}"
     assert " passed" in tail, tail
+
+
+def test_sharding_suite_on_8_cpu_devices():
+    _run_on_8_devices(str(HERE / "test_sharding.py"))
+
+
+def test_moe_dispatch_on_8_cpu_devices():
+    _run_on_8_devices(str(HERE / "test_moe_dispatch.py"), "-k", "sharded")
