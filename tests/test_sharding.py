@@ -336,7 +336,7 @@ def test_sharded_step_equals_unsharded_and_gathers_quantized_bytes(mesh_name, re
 
 # -- the GEMMs gather no activation (the FFI GEMMs are partitioned) ------------------------------------------
 GATHER_RECIPES = RECIPES  # fp8_delayed runs the same GEMMs as fp8_current; fp8_block needs 128-row shards
-GATHER_MESHES = ["dp2_fsdp4", "fsdp2_tp4", "dp2_fsdp2_tp2"]
+STEP_MESHES = ["dp2_fsdp4", "fsdp2_tp4", "dp2_fsdp2_tp2"]
 
 
 def _step_hlo(recipe_name, mesh_name, sp=False):
@@ -348,7 +348,7 @@ def _step_hlo(recipe_name, mesh_name, sp=False):
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["", "sp"])
-@pytest.mark.parametrize("mesh_name", GATHER_MESHES)
+@pytest.mark.parametrize("mesh_name", STEP_MESHES)
 @pytest.mark.parametrize("recipe_name", GATHER_RECIPES)
 def test_gemms_gather_no_activation(monkeypatch, recipe_name, mesh_name, sp):
     """Every GEMM of the step (forward, dgrad, wgrad) is an FFI custom call (the CPU handlers: the same program

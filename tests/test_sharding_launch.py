@@ -13,16 +13,19 @@ import sys
 
 import pytest
 
+HERE = pathlib.Path(__file__).resolve().parent
 
-EIGHT_DEVICE_FILES = ["test_sharding.py", "test_gemm_sharding.py", "test_fsdp_reshard.py"]
+# file: extra pytest arguments (test_moe_dispatch.py's one-device tests run in the ordinary suite)
+EIGHT_DEVICE_FILES = {"test_sharding.py": [], "test_gemm_sharding.py": [], "test_fsdp_reshard.py": [],
+                      "test_moe_dispatch.py": ["-k", "sharded"]}
 
 
-@pytest.mark.parametrize("test_file", EIGHT_DEVICE_FILES)
+@pytest.mark.parametrize("test_file", list(EIGHT_DEVICE_FILES))
 def test_sharding_suite_on_8_cpu_devices(test_file):
     import jax
     if jax.device_count() >= 8:
         pytest.skip(f"this process already has 8 devices: {test_file} runs directly")
-    here = pathlib.Path(__file__).resolve().parent
+    here = HERE
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
                                  "--xla_backend_optimization_level=0"]).strip()
@@ -32,9 +35,17 @@ def test_sharding_suite_on_8_cpu_devices(test_file):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(jaxhq.__file__)),
                                                     env.get("PYTHONPATH")) if p)
     select = [] if env.get("JAXHQ_SHARDING_ALL") == "1" else ["-m", "not slow"]
-    cmd = [sys.executable, "-m", "pytest", str(here / test_file), "-q", "-x", "-p", "no:cacheprovider",
-           *select]
+    cmd = [sys.executable, "-m", "pytest", str(here / test_file), *EIGHT_DEVICE_FILES[test_file], "-q", "-x",
+           "-p", "no:cacheprovider", *select]
     r = subprocess.run(cmd, cwd=here, env=env, capture_output=True, text=True, timeout=1200)
     tail = (r.stdout + r.stderr)[-8000:]
     assert r.returncode == 0, f"8-device sharding tests failed ({' '.join(cmd)}):\n{tail}"
     assert " passed" in tail, tail
+
+
+def test_sharding_suite_on_8_cpu_devices():
+    _run_on_8_devices(str(HERE / "test_sharding.py"))
+
+
+def test_moe_dispatch_on_8_cpu_devices():
+    _run_on_8_devices(str(HERE / "test_moe_dispatch.py"), "-k", "sharded")

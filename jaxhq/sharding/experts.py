@@ -5,10 +5,16 @@ the expert dim, so each device computes only the experts it holds and no expert 
 ranks. Inside an expert, the kernel [K, N] is laid out like any dense kernel (`kernel`, a WeightSharding:
 FSDP shards gathered as quantized bytes, tensor-parallel splits kept), and each group's token rows are split
 on the remaining batch axes (`tokens`: data, fsdp), as in a dense layer.
+
+Token dispatch (MoE): when the tokens are split on the expert axis too (the default rules' batch is (data,
+fsdp, expert)), `dispatch` builds each token shard's per-expert buffers [E, C, ...] where the tokens lie and an
+all-to-all over the expert axis sends each expert's rows to its rank, [E/P, P*C, ...] there; `combine` is the
+reverse all-to-all. Each expert rank receives only its experts' rows, never every token.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional
 
@@ -30,6 +36,7 @@ class ExpertSharding:
     kernel: WeightSharding
     tokens: tuple = ()
     name: str = ""
+    batch: tuple = ()  # mesh axes (size > 1) the tokens are split on outside the experts, in the rules' order
 
     @property
     def ways(self) -> int:
@@ -54,6 +61,43 @@ class ExpertSharding:
         return jax.lax.with_sharding_constraint(xs, NamedSharding(self.mesh, spec))
 
 
+    @property
+    def token_shards(self) -> int:
+        """How many pieces the tokens are split into outside the experts (over the `batch` axes)."""
+        sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
+        return math.prod(sizes[a] for a in self.batch)
+
+    @property
+    def exchanges(self) -> bool:
+        """Whether tokens reach their experts by all-to-all: the expert axes are the innermost batch axes, so
+        the buffers that arrive are the experts' rows in token-shard order (see `dispatch`)."""
+        return bool(self.batch) and self.batch[-len(self.axes):] == self.axes
+
+    def _specs(self):
+        return PartitionSpec(self.batch), PartitionSpec(self.spmd_axis_name, self.tokens or None)
+
+    def dispatch(self, local, *args):
+        """Per-expert buffers of sharded tokens: `local` maps a token shard's args (split on their first dim)
+        to buffers [E, C, ...]; the all-to-all returns the global [E, token_shards * C, ...], experts on the
+        expert axes and rows on `tokens`, laid out as jaxhq.layers.moe's unsharded dispatch of as many shards."""
+        tok, grp = self._specs()
+        a2a = functools.partial(jax.lax.all_to_all, axis_name=self.spmd_axis_name, split_axis=0, concat_axis=1,
+                                tiled=True)
+        body = lambda *a: jax.tree.map(a2a, local(*a))  # noqa: E731
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(tok,) * len(args), out_specs=grp,
+                             check_vma=False)(*args)
+
+    def combine(self, local, bufs, *args):
+        """The reverse of `dispatch`: buffers [E, token_shards * C, ...] go back to their token shards by
+        all-to-all, where `local(buffers [E, C, ...], *args)` gives that shard's tokens."""
+        tok, grp = self._specs()
+        a2a = functools.partial(jax.lax.all_to_all, axis_name=self.spmd_axis_name, split_axis=1, concat_axis=0,
+                                tiled=True)
+        body = lambda b, *a: local(jax.tree.map(a2a, b), *a)  # noqa: E731
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(grp,) + (tok,) * len(args), out_specs=tok,
+                             check_vma=False)(bufs, *args)
+
+
 def expert_sharding(kernel_axes: LogicalAxes, name: str = "", *, mesh=None, rules=None, gather: tuple = ("fsdp",),
                     reshard_after_forward: Optional[bool] = None) -> Optional[ExpertSharding]:
     """The ExpertSharding of stacked kernels [E, K, N] with logical `kernel_axes` (e.g. ("expert", "embed",
@@ -73,4 +117,4 @@ def expert_sharding(kernel_axes: LogicalAxes, name: str = "", *, mesh=None, rule
     tokens = tuple(a for a in batch if a not in axes and sizes[a] > 1)
     kernel = WeightSharding(mesh, (spec[1], spec[2]), gather, name, tokens,
                             _reshard_after_forward(reshard_after_forward))
-    return ExpertSharding(mesh, axes, kernel, tokens, name)
+    return ExpertSharding(mesh, axes, kernel, tokens, name, tuple(a for a in batch if sizes[a] > 1))

@@ -3,6 +3,8 @@
 Used by the tests (weight all-gathers must carry uint8/FP8, not bf16) and by benchmarks/fsdp.py (bytes
 gathered per step). Reads `jit(f).lower(...).compile().as_text()`; counts the synchronous form and the
 `-start` half of async pairs (never the `-done`), and splits combined (tuple) collectives into their arrays.
+Collectives whose replica groups are single devices (no-ops, e.g. a shard_map transpose over size-1 axes) are
+skipped: they move nothing.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ BITS = {"pred": 8, "s4": 4, "u4": 4, "f4e2m1fn": 4, "s8": 8, "u8": 8, "f8e4m3fn"
         "f8e4m3": 8, "f8e4m3fnuz": 8, "f8e5m2fnuz": 8, "f8e3m4": 8, "bf16": 16, "f16": 16, "s16": 16, "u16": 16,
         "f32": 32, "s32": 32, "u32": 32, "f64": 64, "s64": 64, "u64": 64}
 _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
+_NOOP = re.compile(r"replica_groups=\{\{\d+\}(,\{\d+\})*\}")
 _OP = re.compile(r"=\s*(.*?)\s+(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
 
 
@@ -35,7 +38,7 @@ def collectives(hlo_text: str, kind: str = "all-gather") -> list:
     out = []
     for line in hlo_text.splitlines():
         m = _OP.search(line)
-        if not m or (kind is not None and m.group(2) != kind):
+        if not m or (kind is not None and m.group(2) != kind) or _NOOP.search(line):
             continue
         arrays = [(d, tuple(int(s) for s in shp.split(",") if s)) for d, shp in _ARRAY.findall(m.group(1))]
         if m.group(3) and m.group(2) != "all-reduce" and len(arrays) % 2 == 0 and len(arrays) > 1:

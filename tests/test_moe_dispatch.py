@@ -1,0 +1,138 @@
+"""MoE token dispatch: the capacity dispatch (per-group buffers [E, C, K]) equals the former replicated one bit
+for bit when no token is dropped, dropped tokens give 0, and under expert parallelism (data 2 x expert 4) the
+all-to-all dispatch equals the unsharded layer while each expert rank multiplies only its capacity's rows.
+
+The 8-device tests skip with fewer devices; test_sharding_launch.py runs them in an 8-device subprocess.
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import re
+from jax.sharding import NamedSharding
+
+import jaxhq
+from jaxhq import recipes
+from jaxhq.layers import MoE
+from jaxhq.sharding import axis_rules, make_mesh, mesh_axes, state_shardings
+from jaxhq.sharding.hlo import collectives
+
+RECIPES = ["bf16", "fp8_current", "mxfp8", "nvfp4"]
+
+
+def _normal(seed, shape):
+    return jax.random.normal(jax.random.key(seed), shape)
+
+
+def _equal(a, b):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+def _grouped(recipe_name, sizes, rows, **kw):
+    rec = recipes.get(recipe_name)
+    qs = [rec.dense_quantizers(f"moe.experts_{g}.fc1", "grouped_linear") for g in range(len(sizes))]
+    x, ws, g = _normal(0, (rows, 64)), _normal(1, (len(sizes), 64, 96)), _normal(2, (rows, 96))
+
+    def loss(x, ws):
+        y = jaxhq.grouped_dense(x, ws, jnp.asarray(sizes), quantizers=qs, key=jax.random.key(7), **kw)
+        return jnp.sum(y * g), y
+
+    return jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(x, ws)
+
+
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_grouped_dense_capacity_equals_replicated(recipe_name):
+    sizes = (100, 0, 60, 96)
+    ref = _grouped(recipe_name, sizes, 256, dispatch="replicated")
+    _equal(_grouped(recipe_name, sizes, 256), ref)  # default capacity: 256 rows, the replicated length
+    # 128 >= the largest group: the same bits, except NVFP4's stochastically rounded wgrad operand, whose random
+    # draws depend on the buffer's length (forward and dgrad still bit-equal).
+    (loss, y), (dx, dws) = _grouped(recipe_name, sizes, 256, capacity=128)
+    _equal((loss, y, dx) + (() if recipe_name == "nvfp4" else (dws,)), (ref[0][0], ref[0][1], ref[1][0]) + (
+        () if recipe_name == "nvfp4" else (ref[1][1],)))
+
+
+def test_grouped_dense_drops_rows_past_the_capacity():
+    (_, y), _ = _grouped("mxfp8", (200, 56), 256, capacity=128)
+    (_, full), _ = _grouped("mxfp8", (200, 56), 256)
+    y, full = np.asarray(y), np.asarray(full)
+    assert not y[128:200].any() and full[128:200].any()
+    np.testing.assert_array_equal(y[:128], full[:128])
+    np.testing.assert_array_equal(y[200:], full[200:])
+
+
+def _moe_grads(model, x):
+    variables = model.init(jax.random.key(1), x)
+
+    def loss(p, x):
+        out = model.apply({"params": p}, x, rngs={"quant": jax.random.key(2)})
+        return jnp.sum(out.astype(jnp.float32) ** 2), out
+
+    return jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(nn.unbox(variables["params"]), x)
+
+
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_moe_capacity_equals_replicated(recipe_name):
+    """MoE (4 experts, top-2, 128 tokens): dropless capacity (128 rows per expert, not 256) equals the
+    replicated dispatch; NVFP4 (stochastic rounding) with the replicated buffer length, capacity factor 4."""
+    x = _normal(3, (2, 64, 64))
+    kw = dict(capacity_factor=4.0) if recipe_name == "nvfp4" else {}
+    make = lambda **k: MoE(4, 2, 64, recipes.get(recipe_name), activation="gelu", name="moe", **k)  # noqa: E731
+    _equal(_moe_grads(make(**kw), x), _moe_grads(make(dispatch="replicated"), x))
+
+
+@pytest.fixture
+def _eight_devices():
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8); "
+                    "test_sharding_launch.py runs this file that way")
+
+
+E, K, T, D = 8, 2, 2048, 64  # 256 tokens per device; capacity factor 1: 128 rows per expert per token shard
+
+
+@pytest.mark.parametrize("recipe_name", ["mxfp8", "nvfp4"])
+def test_sharded_all_to_all_dispatch_equals_unsharded(_eight_devices, recipe_name):
+    """(data 2, expert 4): tokens reach their experts' ranks by all-to-all; the layer equals the unsharded one
+    with the same buffer layout (8 token shards), and each expert rank multiplies only its capacity's rows."""
+    mesh, rules = make_mesh(data=2, expert=4), axis_rules()
+    x = _normal(4, (8, T // 8, D))
+    make = lambda **k: MoE(E, K, D, recipes.get(recipe_name), activation="gelu", name="moe",  # noqa: E731
+                           capacity_factor=1.0, **k)
+    (r_loss, r_out), (r_dp, r_dx) = _moe_grads(make(dispatch_shards=8), x)
+    model = make()
+    boxed = model.init(jax.random.key(1), x)["params"]
+
+    def loss(p, x):
+        out = model.apply({"params": p}, x, rngs={"quant": jax.random.key(2)})
+        return jnp.sum(out.astype(jnp.float32) ** 2), out
+
+    params, ps = nn.unbox(boxed), state_shardings(boxed, mesh, rules)
+    xs = NamedSharding(mesh, mesh_axes(("batch", "length", "embed"), rules, mesh))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        placed = (jax.device_put(params, ps), jax.device_put(x, xs))
+        compiled = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True)).lower(*placed).compile()
+    (loss_, out), (dp, dx) = compiled(*placed)
+    # Same numbers up to fp32 summation order: every expert GEMM row sees the same quantized operands (per-tensor
+    # amaxes are global, token blocks start at the same buffer rows), but the CPU dot may round a row by an ulp
+    # depending on the matrix's row count (512 rows per device against 1024 unsharded, and the router's
+    # logits likewise); an expert's wgrad adds two per-device partial sums (data axis) by a psum, the router
+    # gradient and the loss sum over the 8 devices. Those ulps re-quantized in the backward (dy's block codes)
+    # flip a few codes of every gradient (dx, expert kernels): ~3e-4 relative (see test_sharding_model.py's
+    # tolerance note). A dispatch bug (a row at the wrong expert or slot) is O(1).
+    for path, got in jax.tree_util.tree_leaves_with_path((loss_, out, dp, dx)):
+        want = np.asarray(dict(jax.tree_util.tree_leaves_with_path((r_loss, r_out, r_dp, r_dx)))[path], np.float64)
+        rel = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+        assert rel <= (1e-6 if path[0].idx < 2 else 1e-3), (jax.tree_util.keystr(path), rel)
+
+    hlo = compiled.as_text()
+    cap = 128  # per token shard and expert
+    moves = [c for c in collectives(hlo, None) if c.kind in ("all-gather", "all-to-all", "collective-permute")
+             and c.shape[-1:] == (D,) and len(c.shape) > 1]
+    assert moves and all(c.kind == "all-to-all" and c.shape == (E // 4, cap, D) for c in moves), moves
+    # Per-device expert GEMMs [local experts, rows, ...]: 4 token shards x 128 rows per expert, where the
+    # replicated dispatch gives every expert all T * K / data = 2048 rows.
+    rows = {int(m) for m in re.findall(rf"f32\[{E // 4},(\d+),\d+\]\S* dot\(", hlo)}
+    assert 4 * cap in rows and max(rows) == 4 * cap < T * K // 2, rows
