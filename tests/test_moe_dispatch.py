@@ -30,6 +30,15 @@ def _equal(a, b):
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
+def _close(a, b, rel=4e-5):
+    """Equal up to fp32 summation order: the GEMMs see the same quantized operands in buffers of another row
+    count, whose dot an XLA CPU backend may block differently (|diff| <= K u sum |a||b| for K <= 256 terms of
+    these O(1) operands stays below 4e-5 of the tensor's largest value; a dispatch bug moves rows: O(1))."""
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
+        assert np.max(np.abs(u - v)) <= rel * np.max(np.abs(v)), f"max diff {np.max(np.abs(u - v)):.3g}"
+
+
 def _grouped(recipe_name, sizes, rows, **kw):
     rec = recipes.get(recipe_name)
     qs = [rec.dense_quantizers(f"moe.experts_{g}.fc1", "grouped_linear") for g in range(len(sizes))]
@@ -47,10 +56,10 @@ def test_grouped_dense_capacity_equals_replicated(recipe_name):
     sizes = (100, 0, 60, 96)
     ref = _grouped(recipe_name, sizes, 256, dispatch="replicated")
     _equal(_grouped(recipe_name, sizes, 256), ref)  # default capacity: 256 rows, the replicated length
-    # 128 >= the largest group: the same bits, except NVFP4's stochastically rounded wgrad operand, whose random
-    # draws depend on the buffer's length (forward and dgrad still bit-equal).
+    # 128 >= the largest group: the same quantized operands in shorter buffers (so equal up to summation order),
+    # except NVFP4's stochastically rounded wgrad operand, whose random draws depend on the buffer's length.
     (loss, y), (dx, dws) = _grouped(recipe_name, sizes, 256, capacity=128)
-    _equal((loss, y, dx) + (() if recipe_name == "nvfp4" else (dws,)), (ref[0][0], ref[0][1], ref[1][0]) + (
+    _close((loss, y, dx) + (() if recipe_name == "nvfp4" else (dws,)), (ref[0][0], ref[0][1], ref[1][0]) + (
         () if recipe_name == "nvfp4" else (ref[1][1],)))
 
 
@@ -134,5 +143,7 @@ def test_sharded_all_to_all_dispatch_equals_unsharded(_eight_devices, recipe_nam
     assert moves and all(c.kind == "all-to-all" and c.shape == (E // 4, cap, D) for c in moves), moves
     # Per-device expert GEMMs [local experts, rows, ...]: 4 token shards x 128 rows per expert, where the
     # replicated dispatch gives every expert all T * K / data = 2048 rows.
+    # (XLA's dot batched over the local experts, or with JAXHQ_KERNELS=all the FFI GEMM called per expert)
     rows = {int(m) for m in re.findall(rf"f32\[{E // 4},(\d+),\d+\]\S* dot\(", hlo)}
+    rows |= {int(m) for m in re.findall(r"\[(\d+),\d+\]\S* custom-call\([^\n]*jaxhq_gemm", hlo)}
     assert 4 * cap in rows and max(rows) == 4 * cap < T * K // 2, rows
