@@ -90,6 +90,22 @@ __device__ __forceinline__ void read_chunk(const T* tile, int s, int cr, int ch,
   if (rht) rht16(v);
 }
 
+// NVFP4 and MXFP8 scales read only whether an amax is NaN, not which NaN: the max of the |v| bit patterns (NaN
+// patterns above Inf) is that amax in two integer operations per element.
+__device__ __forceinline__ float bits_amax(const float (&v)[16]) {
+  uint32_t m = 0u;
+#pragma unroll
+  for (int e = 0; e < 16; ++e) {
+    const uint32_t u = f2u(v[e]) & 0x7FFFFFFFu;
+    m = u > m ? u : m;
+  }
+  return u2f(m);
+}
+
+__device__ __forceinline__ bool one_chunk_blocks(const SideParams& sp) {
+  return sp.fmt == kNvfp4 && !(sp.opts & kBlock2D);
+}
+
 // Round `it` of this thread: its copy row `cr` in the tile and its chunk `ch` along that row (see the top).
 __device__ __forceinline__ void chunk_of(int it, int& cr, int& ch) {
   const int q = it * kThreads + int(threadIdx.x), g = q >> 5, l = q & 31;
@@ -105,14 +121,13 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
   load_tile<T, kBatched>(static_cast<const T*>(p.x) + b * p.m * p.k, p.m, p.k, r0, c0, sm.tile);
   __syncthreads();
 
-  // Phase A: chunk amaxes for the block-scaled formats.
+  // Phase A: chunk amaxes for the formats whose blocks span several chunks (a 1x16 NVFP4 block is one chunk:
+  // phase B takes its amax from the values it encodes, reading and transforming them once).
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
     const SideParams& sp = p.side[s];
-    if (sp.fmt == kNone || sp.fmt == kFp8Tensor) continue;
+    if (sp.fmt == kNone || sp.fmt == kFp8Tensor || one_chunk_blocks(sp)) continue;
     const bool rht = sp.fmt == kNvfp4 && (sp.opts & kRHT);
-    // NVFP4 and MXFP8 scales read only whether the amax is NaN, not which NaN: the max of the |v| bit
-    // patterns (NaN patterns above Inf) is that amax in two integer operations per element
     const bool bits = sp.fmt == kNvfp4 || sp.fmt == kMxfp8;
     for (int it = 0; it < kTile * kChunks / kThreads; ++it) {
       int cr, ch;
@@ -121,13 +136,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
       read_chunk(sm.tile, s, cr, ch, rht, v);
       float a = 0.0f;
       if (bits) {
-        uint32_t m = 0u;
-#pragma unroll
-        for (int e = 0; e < 16; ++e) {
-          const uint32_t u = f2u(v[e]) & 0x7FFFFFFFu;
-          m = u > m ? u : m;
-        }
-        a = u2f(m);
+        a = bits_amax(v);
       } else {
 #pragma unroll
         for (int e = 0; e < 16; ++e) a = amax_acc(a, v[e]);
@@ -168,7 +177,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
 #pragma unroll
         for (int i = 0; i < 16; ++i) a = nmax(a, ca[((cr & ~15) + i) * kChunks + ch]);
       } else if (sp.fmt == kNvfp4) {
-        a = ca[cr * kChunks + ch];
+        a = bits_amax(v);
       } else if (sp.fmt == kMxfp8) {
         a = nmax(ca[cr * kChunks + (ch & ~1)], ca[cr * kChunks + (ch | 1)]);
       } else if (sp.fmt == kFp8Block1) {
