@@ -98,3 +98,24 @@ def test_cpu_handler_rejects_a_mismatched_call():
         jax.block_until_ready(call(a.data, a.scale_inv, b.data, b.scale_inv[:, :1], empty, empty,
                                    mode_a=np.int32(1), mode_b=np.int32(2), layout=np.int32(0), pad=np.int32(4),
                                    accumulate=np.int32(0), fast_accum=np.int32(0)))
+
+
+def test_fp8_fast_accumulation_only_in_the_forward(monkeypatch):
+    """The per-tensor FP8 forward GEMM asks for fast accumulation (ops.gemm.FAST_ACCUM), dgrad and wgrad do not;
+    JAXHQ_FP8_FAST_ACCUM="" turns it off."""
+    import re
+    from jaxhq import recipes
+    from jaxhq.ops import dense
+    monkeypatch.setenv("JAXHQ_KERNELS", "all")
+    qs = recipes.get("fp8_current").dense_quantizers("layer")
+    x, w = jnp.ones((64, 128)), jnp.ones((128, 256))
+
+    def flags():
+        f = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(dense(x, w, quantizers=qs) ** 2), argnums=(0, 1)))
+        text = f.lower(x, w).as_text()
+        calls = [ln for ln in text.splitlines() if "jaxhq_gemm_fp8" in ln]
+        return sorted(int(re.search(r"fast_accum = (\d)", ln).group(1)) for ln in calls)
+
+    assert flags() == [0, 0, 1]  # forward fast; dgrad, wgrad promoted
+    monkeypatch.setenv("JAXHQ_FP8_FAST_ACCUM", "")
+    assert flags() == [0, 0, 0]

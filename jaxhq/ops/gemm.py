@@ -9,6 +9,7 @@ caller allows the dequantized fallback.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable, Optional
 
 import jax
@@ -85,6 +86,18 @@ def platform() -> str:
     return "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu"
 
 
+# The per-tensor FP8 GEMMs that use Hopper's fast accumulation (no periodic promotion to fp32 inside the tensor
+# cores; XLA's FP8 dot does the same): the forward, as Transformer Engine's recipes do. Its error (docs/gemm.md)
+# is far below the FP8 rounding of the operands; the gradients keep the promoted accumulation.
+# JAXHQ_FP8_FAST_ACCUM="forward,dgrad" (or "") overrides, for A/B runs.
+FAST_ACCUM = ("forward",)
+
+
+def fast_accum_gemms() -> tuple:
+    spec = os.environ.get("JAXHQ_FP8_FAST_ACCUM")
+    return FAST_ACCUM if spec is None else tuple(t.strip() for t in spec.split(",") if t.strip())
+
+
 def _with_fallback(kernel, fallback):
     """A table entry: the FFI kernel where it applies, else the previously registered implementation. The
     kernel runs as a partitioned call (jaxhq.ffi.partitioning.gemm): under a mesh each device multiplies its
@@ -98,8 +111,9 @@ def _with_fallback(kernel, fallback):
         except GemmUnsupported:
             return fallback(a, b, out_dtype)
         return partitioning.gemm(kernel, a, b, out_dtype)
-    fn.__name__ = f"gpu_{kernel.__name__}"
+    fn.__name__ = f"gpu_{getattr(kernel, '__name__', 'kernel')}"
     fn._jaxhq_ffi_gemm = True
+    fn._fallback = fallback
     return fn
 
 
@@ -150,6 +164,9 @@ def gemm(a: Storage, b: Storage, out_dtype, *, name: str = "gemm", roles=(None, 
     fn = lookup(fa, fb, platform())
     if platform() == "cpu" and (fa, fb) in gpu_kernels() and cpu_kernels_on():
         fn = _with_fallback(gpu_kernels()[(fa, fb)], fn or dequantized_dot)
+    if getattr(fn, "_jaxhq_ffi_gemm", False) and fa == fb == "fp8" and name in fast_accum_gemms():
+        from ..ffi import gemm as K
+        fn = _with_fallback(functools.partial(K.fp8_gemm, fast_accum=True), fn._fallback)
     if fn is None:
         if not fallback:
             raise GemmError(
