@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cpu_quantize.h"
+#include "gemm/bindings.h"
 #include "handlers.h"
 #include "numerics.h"
 #include "xla/ffi/api/ffi.h"
@@ -246,67 +247,13 @@ ffi::Error gemm_dq_grouped(ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi::AnyBuffer a
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cpu_gemm_fp8, gemm_fp8,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // a
-                                  .Arg<ffi::AnyBuffer>()  // scale_inv a
-                                  .Arg<ffi::AnyBuffer>()  // b
-                                  .Arg<ffi::AnyBuffer>()  // scale_inv b
-                                  .Arg<ffi::AnyBuffer>()  // bias ([0] when none)
-                                  .Arg<ffi::AnyBuffer>()  // c (aliased to out when accumulating)
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("mode_a")
-                                  .Attr<int32_t>("mode_b")
-                                  .Attr<int32_t>("layout")
-                                  .Attr<int32_t>("pad")
-                                  .Attr<int32_t>("accumulate")
-                                  .Attr<int32_t>("fast_accum"));
+                              jaxhq::gemm_bind::gemm_fp8(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cpu_gemm_dq, gemm_dq,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // a data
-                                  .Arg<ffi::AnyBuffer>()  // a scales (uint8 bytes)
-                                  .Arg<ffi::AnyBuffer>()  // a amax (NVFP4) or [0]
-                                  .Arg<ffi::AnyBuffer>()  // b data
-                                  .Arg<ffi::AnyBuffer>()  // b scales
-                                  .Arg<ffi::AnyBuffer>()  // b amax
-                                  .Arg<ffi::AnyBuffer>()  // bias
-                                  .Arg<ffi::AnyBuffer>()  // c
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("fmt_a")
-                                  .Attr<int32_t>("fmt_b")
-                                  .Attr<int64_t>("k")
-                                  .Attr<int32_t>("accumulate"));
+                              jaxhq::gemm_bind::gemm_dq(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cpu_gemm_fp8_grouped, gemm_fp8_grouped,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // a [T, K]
-                                  .Arg<ffi::AnyBuffer>()  // scale_inv a
-                                  .Arg<ffi::AnyBuffer>()  // b [G, N, K]
-                                  .Arg<ffi::AnyBuffer>()  // scale_inv b (stacked)
-                                  .Arg<ffi::AnyBuffer>()  // group_sizes [G] int32
-                                  .Arg<ffi::AnyBuffer>()  // bias [G, N] or [0]
-                                  .Arg<ffi::AnyBuffer>()  // c
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("mode_a")
-                                  .Attr<int32_t>("mode_b")
-                                  .Attr<int32_t>("layout")
-                                  .Attr<int32_t>("pad")
-                                  .Attr<int32_t>("accumulate")
-                                  .Attr<int32_t>("fast_accum"));
+                              jaxhq::gemm_bind::gemm_fp8_grouped(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cpu_gemm_dq_grouped, gemm_dq_grouped,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // a data [T, ...]
-                                  .Arg<ffi::AnyBuffer>()  // a scales
-                                  .Arg<ffi::AnyBuffer>()  // a amax or [0]
-                                  .Arg<ffi::AnyBuffer>()  // b data [G, N, ...]
-                                  .Arg<ffi::AnyBuffer>()  // b scales
-                                  .Arg<ffi::AnyBuffer>()  // b amax [G] or [0]
-                                  .Arg<ffi::AnyBuffer>()  // group_sizes
-                                  .Arg<ffi::AnyBuffer>()  // bias [G, N] or [0]
-                                  .Arg<ffi::AnyBuffer>()  // c
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("fmt_a")
-                                  .Attr<int32_t>("fmt_b")
-                                  .Attr<int64_t>("k")
-                                  .Attr<int32_t>("accumulate"));
+                              jaxhq::gemm_bind::gemm_dq_grouped(ffi::Ffi::Bind()));

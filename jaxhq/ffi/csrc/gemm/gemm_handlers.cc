@@ -17,6 +17,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "bindings.h"
 #include "cublaslt.h"
 #include "gemm_kernels.h"
 #include "mxfp8_wgmma.h"
@@ -753,82 +754,18 @@ ffi::Error gemm_mxfp8_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, 
   }
   return run_mxfp8(stream, scratch, oa, ob, n, k, static_cast<const int32_t*>(gs.untyped_data()), groups, c);
 }
+// The CUDA handlers' binding prefix: the stream, then XLA's scratch allocator.
+auto cuda_bind() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>(); }
 }  // namespace
 }  // namespace jaxhq
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_fp8, jaxhq::gemm_fp8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::AnyBuffer>()  // a
-                                  .Arg<ffi::AnyBuffer>()  // scale_inv a
-                                  .Arg<ffi::AnyBuffer>()  // b
-                                  .Arg<ffi::AnyBuffer>()  // scale_inv b
-                                  .Arg<ffi::AnyBuffer>()  // bias ([0] when none)
-                                  .Arg<ffi::AnyBuffer>()  // c (aliased to out when accumulating)
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("mode_a")
-                                  .Attr<int32_t>("mode_b")
-                                  .Attr<int32_t>("layout")
-                                  .Attr<int32_t>("pad")
-                                  .Attr<int32_t>("accumulate")
-                                  .Attr<int32_t>("fast_accum"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_fp8, jaxhq::gemm_fp8, jaxhq::gemm_bind::gemm_fp8(jaxhq::cuda_bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_dq, jaxhq::gemm_dq,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::AnyBuffer>()  // a data
-                                  .Arg<ffi::AnyBuffer>()  // a scales (uint8 bytes)
-                                  .Arg<ffi::AnyBuffer>()  // a amax (NVFP4) or [0]
-                                  .Arg<ffi::AnyBuffer>()  // b data
-                                  .Arg<ffi::AnyBuffer>()  // b scales
-                                  .Arg<ffi::AnyBuffer>()  // b amax
-                                  .Arg<ffi::AnyBuffer>()  // bias
-                                  .Arg<ffi::AnyBuffer>()  // c
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("fmt_a")
-                                  .Attr<int32_t>("fmt_b")
-                                  .Attr<int64_t>("k")
-                                  .Attr<int32_t>("accumulate"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_dq, jaxhq::gemm_dq, jaxhq::gemm_bind::gemm_dq(jaxhq::cuda_bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_fp8_grouped, jaxhq::gemm_fp8_grouped,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::AnyBuffer>()  // a [T, K]
-                                  .Arg<ffi::AnyBuffer>()  // scale_inv a
-                                  .Arg<ffi::AnyBuffer>()  // b [G, N, K]
-                                  .Arg<ffi::AnyBuffer>()  // scale_inv b (stacked)
-                                  .Arg<ffi::AnyBuffer>()  // group_sizes [G] int32
-                                  .Arg<ffi::AnyBuffer>()  // bias [G, N] or [0]
-                                  .Arg<ffi::AnyBuffer>()  // c
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("mode_a")
-                                  .Attr<int32_t>("mode_b")
-                                  .Attr<int32_t>("layout")
-                                  .Attr<int32_t>("pad")
-                                  .Attr<int32_t>("accumulate")
-                                  .Attr<int32_t>("fast_accum"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_fp8_grouped, jaxhq::gemm_fp8_grouped, jaxhq::gemm_bind::gemm_fp8_grouped(jaxhq::cuda_bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_dq_grouped, jaxhq::gemm_dq_grouped,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::AnyBuffer>()  // a data [T, ...]
-                                  .Arg<ffi::AnyBuffer>()  // a scales
-                                  .Arg<ffi::AnyBuffer>()  // a amax or [0]
-                                  .Arg<ffi::AnyBuffer>()  // b data [G, N, ...]
-                                  .Arg<ffi::AnyBuffer>()  // b scales
-                                  .Arg<ffi::AnyBuffer>()  // b amax [G] or [0]
-                                  .Arg<ffi::AnyBuffer>()  // group_sizes
-                                  .Arg<ffi::AnyBuffer>()  // bias [G, N] or [0]
-                                  .Arg<ffi::AnyBuffer>()  // c
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("fmt_a")
-                                  .Attr<int32_t>("fmt_b")
-                                  .Attr<int64_t>("k")
-                                  .Attr<int32_t>("accumulate"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_dq_grouped, jaxhq::gemm_dq_grouped, jaxhq::gemm_bind::gemm_dq_grouped(jaxhq::cuda_bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_mxfp8, jaxhq::gemm_mxfp8,
                               ffi::Ffi::Bind()

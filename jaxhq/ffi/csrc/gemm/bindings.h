@@ -1,0 +1,77 @@
+// FFI bindings of the GEMM targets, shared by the CUDA handlers (gemm_handlers.cc, whose Bind() carries the
+// stream and the scratch allocator) and the CPU ones (cpu_gemm.cc): one argument and attribute list per target.
+#pragma once
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxhq {
+namespace gemm_bind {
+namespace ffi = xla::ffi;
+
+// A, its scales, B, its scales (per-tensor fp32 scalars, or 1x128 / 128x128 fp32 block scales)
+template <typename B>
+auto fp8(B&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // a [M, K] (grouped: [T, K])
+      .template Arg<ffi::AnyBuffer>()                 // scale_inv a
+      .template Arg<ffi::AnyBuffer>()                 // b [N, K] (grouped: [G, N, K])
+      .template Arg<ffi::AnyBuffer>();                // scale_inv b (grouped: stacked)
+}
+
+template <typename B>
+auto fp8_tail(B&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // bias [N] (grouped: [G, N]) or [0]
+      .template Arg<ffi::AnyBuffer>()                 // c (aliased to out when accumulating)
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int32_t>("mode_a")
+      .template Attr<int32_t>("mode_b")
+      .template Attr<int32_t>("layout")
+      .template Attr<int32_t>("pad")
+      .template Attr<int32_t>("accumulate")
+      .template Attr<int32_t>("fast_accum");
+}
+
+template <typename B>
+auto gemm_fp8(B&& b) {
+  return fp8_tail(fp8(std::move(b)));
+}
+
+template <typename B>
+auto gemm_fp8_grouped(B&& b) {
+  return fp8_tail(fp8(std::move(b)).template Arg<ffi::AnyBuffer>());  // + group_sizes [G] int32
+}
+
+// MXFP8 or NVFP4 operands as bytes: data, scales, NVFP4 amax (or [0]) for A, then for B
+template <typename B>
+auto dq(B&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // a data
+      .template Arg<ffi::AnyBuffer>()                 // a scales (uint8 bytes)
+      .template Arg<ffi::AnyBuffer>()                 // a amax (NVFP4) or [0]
+      .template Arg<ffi::AnyBuffer>()                 // b data (grouped: [G, N, ...])
+      .template Arg<ffi::AnyBuffer>()                 // b scales
+      .template Arg<ffi::AnyBuffer>();                // b amax (grouped: [G]) or [0]
+}
+
+template <typename B>
+auto dq_tail(B&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // bias
+      .template Arg<ffi::AnyBuffer>()                 // c
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int32_t>("fmt_a")
+      .template Attr<int32_t>("fmt_b")
+      .template Attr<int64_t>("k")
+      .template Attr<int32_t>("accumulate");
+}
+
+template <typename B>
+auto gemm_dq(B&& b) {
+  return dq_tail(dq(std::move(b)));
+}
+
+template <typename B>
+auto gemm_dq_grouped(B&& b) {
+  return dq_tail(dq(std::move(b)).template Arg<ffi::AnyBuffer>());  // + group_sizes [G] int32
+}
+
+}  // namespace gemm_bind
+}  // namespace jaxhq
