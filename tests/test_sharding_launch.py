@@ -42,10 +42,3 @@ def test_sharding_suite_on_8_cpu_devices(test_file):
     assert r.returncode == 0, f"8-device sharding tests failed ({' '.join(cmd)}):\n{tail}"
     assert " passed" in tail, tail
 
-
-def test_sharding_suite_on_8_cpu_devices():
-    _run_on_8_devices(str(HERE / "test_sharding.py"))
-
-
-def test_moe_dispatch_on_8_cpu_devices():
-    _run_on_8_devices(str(HERE / "test_moe_dispatch.py"), "-k", "sharded")
