@@ -74,6 +74,8 @@ def emu(tmp_path_factory):
     lib.emu_dequantize.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i64, i64, i64, i32, i32]
     lib.emu_dequant_mxfp8.argtypes = [ptr, ptr, i64, i64, i32, ptr, i32]
     lib.emu_dequant_nvfp4.argtypes = [ptr, ptr, i64, i64, ptr, i32]
+    lib.emu_e2m1_mismatches.argtypes = [ctypes.c_uint32, ctypes.c_uint32]
+    lib.emu_e2m1_mismatches.restype = ctypes.c_uint64
     for fn in (lib.emu_quantize, lib.emu_amax, lib.emu_dequantize, lib.emu_dequant_mxfp8, lib.emu_dequant_nvfp4):
         fn.restype = ctypes.c_char_p
     return lib
@@ -138,6 +140,16 @@ def _input(shape, dtype_id, batch, special: bool):
         flat[[3, flat.size // 2]] = np.nan
         flat[[flat.size // 3]] = np.inf
     return np.ascontiguousarray(x.astype(DTYPES[dtype_id]))
+
+
+def test_e2m1_short_rounding_equals_threshold_form_on_every_float(emu):
+    """The kernels' E2M1 rounding by one float addition (numerics.h e2m1_code_finite) against the threshold form
+    on all 2^32 bit patterns but NaN (the two halves of the range on two threads: ctypes releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+    halves = [(0, 0x7FFFFFFF), (0x80000000, 0xFFFFFFFF)]
+    with ThreadPoolExecutor(2) as pool:
+        bad = list(pool.map(lambda r: emu.emu_e2m1_mismatches(*r), halves))
+    assert bad == [0, 0]
 
 
 @pytest.mark.parametrize("q,shape,dtype_id,batch", list(_cases()),

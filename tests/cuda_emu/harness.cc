@@ -4,6 +4,7 @@
 #include "cuda_emu.h"
 #include "cuda_launch.h"
 #include "gemm/gemm_kernels.h"
+#include "numerics.h"
 
 namespace {
 thread_local std::string g_status, g_error;
@@ -93,6 +94,17 @@ const char* emu_dequant_nvfp4(const uint8_t* data, const uint8_t* scales, int64_
                               int order) {
   emu::set_order(order);
   return status(jaxhq::gemm::dequant_nvfp4(data, scales, rows, k, out, nullptr));
+}
+
+// Bit patterns in [lo, hi] (not NaN) where the kernels' short E2M1 rounding (e2m1_code_finite) differs from
+// the threshold form (e2m1_code, the reference's casts.e2m1_codes line for line).
+uint64_t emu_e2m1_mismatches(uint32_t lo, uint32_t hi) {
+  uint64_t bad = 0;
+  for (uint64_t i = lo; i <= hi; ++i) {
+    const float y = jaxhq::u2f(uint32_t(i));
+    bad += !jaxhq::is_nan(y) && jaxhq::e2m1_code_finite(y) != jaxhq::e2m1_code(y);
+  }
+  return bad;
 }
 
 }  // extern "C"

@@ -50,29 +50,49 @@ template <> __device__ constexpr int dtype_id<__half>() { return kF16; }
 // nibble; columns at or past C encode 0): v * enc clipped to +-6, rounded to nearest even or, with `sr`,
 // stochastically by global position (the seed words of spec.h). The clip is implicit: e2m1_code saturates and
 // passes NaN as the clip does, e2m1_code_sr clips itself. `finite`: every v * enc is finite, so the shorter
-// e2m1_code_finite applies.
+// e2m1_code_finite applies. The choices are made once per chunk (each path is its own unrolled loop); the
+// stochastic index and hash words are formed only on that path.
+template <int N, typename Code>
+__device__ __forceinline__ void e2m1_pack(const float (&v)[N], float enc, int64_t valid, Code code_of,
+                                          uint8_t (&out)[N / 2]) {
+  auto pack = [&](auto masked) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      uint32_t c0 = code_of(v[2 * i] * enc, 2 * i), c1 = code_of(v[2 * i + 1] * enc, 2 * i + 1);
+      if (decltype(masked)::value) {
+        c0 = 2 * i < valid ? c0 : 0u;
+        c1 = 2 * i + 1 < valid ? c1 : 0u;
+      }
+      out[i] = uint8_t(c0 | (c1 << 4));
+    }
+  };
+  if (valid >= N) pack(std::false_type{});
+  else pack(std::true_type{});
+}
+
 template <int N>
 __device__ __forceinline__ void nvfp4_codes(const float (&v)[N], float enc, bool sr, bool finite,
                                             const uint32_t* seed, int side, int64_t gr, int64_t gc, int64_t C,
                                             uint8_t (&out)[N / 2]) {
-  const SrIndex si = sr_index(seed, side);
-  const uint64_t base = (uint64_t(gr) + si.roff) * si.cols + uint64_t(gc) + si.coff;
-  const bool one_high = uint32_t(base) <= 0xFFFFFFFFu - N;  // the N indices share their high word
-  const uint32_t high = sr_high(seed[1], base);
   const int64_t valid = C - gc;  // columns of this chunk inside the copy
-#pragma unroll
-  for (int i = 0; i < N / 2; ++i) {
-    uint8_t code[2];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const float q = v[2 * i + j] * enc;
-      const uint64_t idx = base + uint64_t(2 * i + j);
-      code[j] = sr ? e2m1_code_sr(q, one_high ? sr_uniform_low(seed[0], high, uint32_t(side), uint32_t(idx))
-                                              : sr_uniform(seed[0], seed[1], uint32_t(side), idx))
-                   : finite ? e2m1_code_finite(q) : e2m1_code(q);
-      if (2 * i + j >= valid) code[j] = 0;
+  if (sr) {
+    const SrIndex si = sr_index(seed, side);
+    const uint64_t base = (uint64_t(gr) + si.roff) * si.cols + uint64_t(gc) + si.coff;
+    const uint32_t s0 = seed[0], s1 = seed[1];
+    if (uint32_t(base) <= 0xFFFFFFFFu - N) {  // the N indices share their high word: its hash once
+      const uint32_t high = sr_high(s1, base), low = uint32_t(base);
+      e2m1_pack(v, enc, valid, [&](float q, int e) -> uint32_t {
+        return e2m1_code_sr(q, sr_uniform_low(s0, high, uint32_t(side), low + uint32_t(e)));
+      }, out);
+    } else {
+      e2m1_pack(v, enc, valid, [&](float q, int e) -> uint32_t {
+        return e2m1_code_sr(q, sr_uniform(s0, s1, uint32_t(side), base + uint64_t(e)));
+      }, out);
     }
-    out[i] = uint8_t(code[0] | (code[1] << 4));
+  } else if (finite) {
+    e2m1_pack(v, enc, valid, [](float q, int) -> uint32_t { return e2m1_code_finite(q); }, out);
+  } else {
+    e2m1_pack(v, enc, valid, [](float q, int) -> uint32_t { return e2m1_code(q); }, out);
   }
 }
 
