@@ -76,6 +76,8 @@ def emu(tmp_path_factory):
     lib.emu_dequant_nvfp4.argtypes = [ptr, ptr, i64, i64, ptr, i32]
     lib.emu_e2m1_mismatches.argtypes = [ctypes.c_uint32, ctypes.c_uint32]
     lib.emu_e2m1_mismatches.restype = ctypes.c_uint64
+    lib.emu_e2m1_sr_mismatches.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_float]
+    lib.emu_e2m1_sr_mismatches.restype = ctypes.c_uint64
     for fn in (lib.emu_quantize, lib.emu_amax, lib.emu_dequantize, lib.emu_dequant_mxfp8, lib.emu_dequant_nvfp4):
         fn.restype = ctypes.c_char_p
     return lib
@@ -142,14 +144,20 @@ def _input(shape, dtype_id, batch, special: bool):
     return np.ascontiguousarray(x.astype(DTYPES[dtype_id]))
 
 
-def test_e2m1_short_rounding_equals_threshold_form_on_every_float(emu):
-    """The kernels' E2M1 rounding by one float addition (numerics.h e2m1_code_finite) against the threshold form
-    on all 2^32 bit patterns but NaN (the two halves of the range on two threads: ctypes releases the GIL)."""
+def test_e2m1_short_rounding_equals_reference_forms_on_every_float(emu):
+    """The kernels' E2M1 rounding by float additions (numerics.h) against the reference's formulas on every bit
+    pattern: nearest-even (e2m1_code_finite against the threshold form; NaN excluded: the kernels take that form
+    for blocks with a NaN) on all 2^32; stochastic (e2m1_code_sr against the grid-search form of
+    casts.e2m1_codes_stochastic) with u = 0.5 on all 2^32 and with the extreme draws 2^-23 and 1 - 2^-23 on
+    every magnitude up to 8 of both signs. ctypes releases the GIL: two threads."""
     from concurrent.futures import ThreadPoolExecutor
-    halves = [(0, 0x7FFFFFFF), (0x80000000, 0xFFFFFFFF)]
+    tiny, top = 2.0 ** -23, 1.0 - 2.0 ** -23
+    jobs = [(emu.emu_e2m1_mismatches, 0, 0x7FFFFFFF), (emu.emu_e2m1_mismatches, 0x80000000, 0xFFFFFFFF),
+            (emu.emu_e2m1_sr_mismatches, 0, 0x7FFFFFFF, 0.5), (emu.emu_e2m1_sr_mismatches, 0x80000000, 0xFFFFFFFF, 0.5)]
+    jobs += [(emu.emu_e2m1_sr_mismatches, lo, lo + 0x41000000, u) for u in (tiny, top) for lo in (0, 0x80000000)]
     with ThreadPoolExecutor(2) as pool:
-        bad = list(pool.map(lambda r: emu.emu_e2m1_mismatches(*r), halves))
-    assert bad == [0, 0]
+        bad = list(pool.map(lambda j: j[0](*j[1:]), jobs))
+    assert bad == [0] * len(jobs)
 
 
 @pytest.mark.parametrize("q,shape,dtype_id,batch", list(_cases()),

@@ -6,6 +6,8 @@
 #include "gemm/gemm_kernels.h"
 #include "numerics.h"
 
+#include <cmath>
+
 namespace {
 thread_local std::string g_status, g_error;
 
@@ -103,6 +105,23 @@ uint64_t emu_e2m1_mismatches(uint32_t lo, uint32_t hi) {
   for (uint64_t i = lo; i <= hi; ++i) {
     const float y = jaxhq::u2f(uint32_t(i));
     bad += !jaxhq::is_nan(y) && jaxhq::e2m1_code_finite(y) != jaxhq::e2m1_code(y);
+  }
+  return bad;
+}
+
+// Bit patterns y in [lo, hi] where the kernels' stochastic E2M1 rounding (e2m1_code_sr) with uniform u differs
+// from the reference's formula (casts.e2m1_codes_stochastic): lo = the largest grid value <= min(|y|, 6), up
+// when u < (a - lo) / (hi - lo); NaN encodes 0 | sign.
+uint64_t emu_e2m1_sr_mismatches(uint32_t lo, uint32_t hi, float u) {
+  static const float grid[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  uint64_t bad = 0;
+  for (uint64_t i = lo; i <= hi; ++i) {
+    const float y = jaxhq::u2f(uint32_t(i)), a = std::fmin(std::fabs(y), 6.0f);
+    int c = 0;
+    while (c < 7 && grid[c + 1] <= a) ++c;
+    if (c < 7 && u < (a - grid[c]) / (grid[c + 1] - grid[c])) ++c;
+    if (jaxhq::is_nan(y)) c = 0;
+    bad += jaxhq::e2m1_code_sr(y, u) != uint8_t(c | (std::signbit(y) ? 8 : 0));
   }
   return bad;
 }

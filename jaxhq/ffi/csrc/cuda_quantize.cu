@@ -26,6 +26,7 @@ struct Smem {
   static constexpr int kStride = sizeof(T) == 4 ? kTile + 1 : kTile + 2;
   T tile[kTile * kStride];
   float camax[2][kTile * kChunks];  // [side][copy_row * 8 + chunk]
+  uint32_t bamax[2][kTile / 16 * kChunks];  // NVFP4 16x16 blocks: [side][copy_row / 16 * 8 + chunk], |v| bits
   float tamax[2];
 };
 
@@ -145,7 +146,9 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
     }
   }
   __syncthreads();
-  // 128x128 tiles: one amax for the whole tile.
+  // 128x128 tiles: one amax for the whole tile (the first warp). NVFP4 16x16 blocks: one amax per block, the max
+  // of its 16 chunk amaxes (threads 128..255, 64 blocks per side). Those chunk amaxes are |v| bit patterns
+  // (bits_amax), so their integer max is the block's.
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
     if (p.side[s].fmt != kFp8Block2) continue;
@@ -154,6 +157,18 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
       for (int i = threadIdx.x; i < kTile * kChunks; i += 32) a = nmax(a, sm.camax[s][i]);
       a = warp_nmax(a);
       if (threadIdx.x == 0) sm.tamax[s] = a;
+    }
+  }
+  if (threadIdx.x >= kThreads / 2) {
+    const int s = (threadIdx.x - kThreads / 2) / 64, j = threadIdx.x % 64, rb = j / kChunks, ch = j % kChunks;
+    if (p.side[s].fmt == kNvfp4 && (p.side[s].opts & kBlock2D)) {
+      uint32_t m = 0u;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const uint32_t u = f2u(sm.camax[s][(16 * rb + i) * kChunks + ch]);
+        m = u > m ? u : m;
+      }
+      sm.bamax[s][j] = m;
     }
   }
   __syncthreads();
@@ -174,8 +189,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
       const float* ca = sm.camax[s];
       float a = 0.0f;  // the chunk's block amax (per-tensor FP8 has none)
       if (sp.fmt == kNvfp4 && (sp.opts & kBlock2D)) {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) a = nmax(a, ca[((cr & ~15) + i) * kChunks + ch]);
+        a = u2f(sm.bamax[s][(cr / 16) * kChunks + ch]);
       } else if (sp.fmt == kNvfp4) {
         a = bits_amax(v);
       } else if (sp.fmt == kMxfp8) {

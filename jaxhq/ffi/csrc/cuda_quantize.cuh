@@ -79,10 +79,10 @@ __device__ __forceinline__ void nvfp4_codes(const float (&v)[N], float enc, bool
     const SrIndex si = sr_index(seed, side);
     const uint64_t base = (uint64_t(gr) + si.roff) * si.cols + uint64_t(gc) + si.coff;
     const uint32_t s0 = seed[0], s1 = seed[1];
-    if (uint32_t(base) <= 0xFFFFFFFFu - N) {  // the N indices share their high word: its hash once
-      const uint32_t high = sr_high(s1, base), low = uint32_t(base);
+    if (uint32_t(base) <= 0xFFFFFFFFu - N) {  // the N indices share their high word: one key
+      const uint32_t key = sr_key(s0, s1, uint32_t(side), uint32_t(base >> 32)), low = uint32_t(base);
       e2m1_pack(v, enc, valid, [&](float q, int e) -> uint32_t {
-        return e2m1_code_sr(q, sr_uniform_low(s0, high, uint32_t(side), low + uint32_t(e)));
+        return e2m1_code_sr(q, sr_uniform_key(key, low + uint32_t(e)));
       }, out);
     } else {
       e2m1_pack(v, enc, valid, [&](float q, int e) -> uint32_t {

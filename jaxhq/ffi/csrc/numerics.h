@@ -181,17 +181,24 @@ JHQ_HD uint8_t e2m1_code_finite(float y) {
 }
 // Magnitude of E2M1 code c in 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6 (no table: registers only on the GPU).
 JHQ_HD float e2m1_grid(int c) { return c < 4 ? 0.5f * float(c) : (c < 6 ? float(c - 2) : 2.0f * float(c - 4)); }
-// Stochastic E2M1: up with probability (a - lo) / (hi - lo), u uniform in [0, 1), a = min(|y|, 6). The grid
-// step is 0.5 below 2, 1 below 4, 2 above, so with t = a / step (exact: a power of two) lo is the code where the
-// step starts plus floor(t), and the probability is t - floor(t) (exact). NaN gives 0 | sign.
+// Stochastic E2M1: up with probability (a - lo) / (hi - lo), u uniform in [0, 1), a = min(|y|, 6); NaN gives
+// 0 | sign. As in e2m1_code_finite, adding M = 2^(22 + max(e, 0)) rounds a to the grid (nearest); one step back
+// when that went up gives lo, and (a - lo) times the step's reciprocal (powers of two, so every operation is
+// exact) is the probability. Integer and add operations only (no floor or conversion instruction).
 JHQ_HD uint8_t e2m1_code_sr(float y, float u) {
-  const float a = nmin(abs_f(y), 6.0f);
-  const bool small = a < 2.0f, mid = a < 4.0f;
-  const float t = a * (small ? 2.0f : mid ? 1.0f : 0.5f), f = floorf(t);
-  const int lo = (small ? 0 : mid ? 2 : 4) + int(f);
-  uint8_t mag = uint8_t(lo < 7 && u < t - f ? lo + 1 : lo);
-  if (is_nan(a)) mag = 0;
-  return mag | ((f2u(y) >> 31) ? 8 : 0);
+  const float a = nmin(fabsf(y), 6.0f);
+  const uint32_t eb = f2u(a) & 0xFF800000u, e = eb > 0x3F800000u ? eb : 0x3F800000u;  // 2^max(e, 0)
+  const uint32_t m = e + (22u << 23);
+  const float r = a + u2f(m), step = u2f(e - (1u << 23));
+  float lo = r - u2f(m);
+  uint32_t code = f2u(r) - m + (e >> 22) - 254u;
+  if (lo > a) {
+    lo -= step;
+    code -= 1u;
+  }
+  if (code < 7u && u < (a - lo) * u2f(0x7F800000u - e)) code += 1u;
+  if (is_nan(a)) code = 0u;
+  return uint8_t(code | ((f2u(y) >> 28) & 8u));
 }
 JHQ_HD float e2m1_value(uint8_t c) {
   float x = e2m1_grid(c & 7);
@@ -224,20 +231,22 @@ JHQ_HD float nvfp4_encode_mult(float dec, float genc) { return dec == 0.0f ? 0.0
 // MXFP8: q = amax / fmt_max, likewise computed as amax * (1 / fmt_max).
 JHQ_HD float mx_q(float amax, bool e5m2) { return amax * (e5m2 ? (1.0f / 57344.0f) : (1.0f / 448.0f)); }
 
-// Counter-based hash for stochastic rounding: uniform [0, 1) from (seed, stream, index).
+// Counter-based numbers for stochastic rounding: uniform [0, 1) from (seed s0 s1, stream, 64-bit index). The
+// seed, the stream and the index's high word make a key (`sr_key`, once per 2^32 consecutive indices: kernels
+// compute it once per chunk); each number is one mix32 round of key ^ index_low, its high 23 bits as the
+// mantissa of a float in [1, 2), minus 1 (exact: no conversion instruction).
 JHQ_HD uint32_t mix32(uint32_t x) {
   x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
   return x;
 }
-// The hash in two parts: `high` = s1 ^ mix32(index >> 32 + c) is shared by the indices of one 2^32 range, so a
-// kernel computes it once per run of consecutive indices.
-JHQ_HD uint32_t sr_high(uint32_t s1, uint64_t index) { return s1 ^ mix32(uint32_t(index >> 32) + 0x85ebca6bu); }
-JHQ_HD float sr_uniform_low(uint32_t s0, uint32_t high, uint32_t stream, uint32_t index_low) {
-  const uint32_t h = mix32(mix32(s0 ^ mix32(index_low + 0x9e3779b9u * stream)) ^ high);
-  return float(h >> 8) * 5.9604644775390625e-08f;  // 2^-24
+JHQ_HD uint32_t sr_key(uint32_t s0, uint32_t s1, uint32_t stream, uint32_t index_high) {
+  return mix32(s0 ^ mix32(s1 ^ mix32(index_high + 0x85ebca6bu) ^ (0x9e3779b9u * (stream + 1u))));
+}
+JHQ_HD float sr_uniform_key(uint32_t key, uint32_t index_low) {
+  return u2f(0x3F800000u | (mix32(key ^ index_low) >> 9)) - 1.0f;
 }
 JHQ_HD float sr_uniform(uint32_t s0, uint32_t s1, uint32_t stream, uint64_t index) {
-  return sr_uniform_low(s0, sr_high(s1, index), stream, uint32_t(index));
+  return sr_uniform_key(sr_key(s0, s1, stream, uint32_t(index >> 32)), uint32_t(index));
 }
 
 // 16-point random Hadamard transform (nvfp4.apply_rht): v -> H (signs * v) / 4, Sylvester H, in place.
