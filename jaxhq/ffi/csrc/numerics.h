@@ -167,36 +167,41 @@ JHQ_HD uint8_t e2m1_code(float y) {
                         (a > 5.0f));
   return mag | ((f2u(y) >> 31) ? 8 : 0);
 }
-// e2m1_code for a y that is not NaN, in integer and add operations only (no rounding or conversion
-// instruction: those run at a quarter of the rate on the GPU). With a = min(|y|, 6), E2M1's grid step at a is
-// half of a's binade floor (0.5 below 1), so adding M = 2^(22 + max(e, 0)) (e: a's exponent) rounds a to the grid,
-// nearest even, in the float addition itself; the low bits of a + M count the steps k, and the code is
-// 2 max(e, 0) + k. Equal to e2m1_code for every float but NaN (checked over all of them: tests/test_cuda_emu.py).
+// Round a = min(|y|, 6) (not NaN) to E2M1's grid, nearest even, in integer and add operations only (no
+// rounding or conversion instruction: those run at a quarter of the rate on the GPU). E2M1's grid step at a is
+// half of a's binade floor (0.5 below 1), so adding M = 2^(22 + max(e, 0)) (e: a's exponent) rounds a to the
+// grid in the float addition itself; the low bits of r = a + M count the steps k, and the code is
+// 2 max(e, 0) + k. `pow` = the bits of 2^max(e, 0) (the step is half of it).
+struct E2m1Nearest {
+  uint32_t pow, m, code;
+  float r;
+};
+JHQ_HD E2m1Nearest e2m1_nearest(float a) {
+  const uint32_t eb = f2u(a) & 0xFF800000u, pow = eb > 0x3F800000u ? eb : 0x3F800000u;
+  const uint32_t m = pow + (22u << 23);
+  const float r = a + u2f(m);
+  return E2m1Nearest{pow, m, f2u(r) - m + (pow >> 22) - 254u, r};
+}
+// e2m1_code for a y that is not NaN, by e2m1_nearest. Equal to e2m1_code for every float but NaN (checked over all
+// of them: tests/test_cuda_emu.py).
 JHQ_HD uint8_t e2m1_code_finite(float y) {
-  const float a = fminf(fabsf(y), 6.0f);
-  const uint32_t eb = f2u(a) & 0xFF800000u, e = eb > 0x3F800000u ? eb : 0x3F800000u;  // 2^max(e, 0)
-  const uint32_t m = e + (22u << 23);                                                 // M
-  const uint32_t code = f2u(a + u2f(m)) - m + (e >> 22) - 254u;
-  return uint8_t(code | ((f2u(y) >> 28) & 8u));
+  return uint8_t(e2m1_nearest(fminf(fabsf(y), 6.0f)).code | ((f2u(y) >> 28) & 8u));
 }
 // Magnitude of E2M1 code c in 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6 (no table: registers only on the GPU).
 JHQ_HD float e2m1_grid(int c) { return c < 4 ? 0.5f * float(c) : (c < 6 ? float(c - 2) : 2.0f * float(c - 4)); }
 // Stochastic E2M1: up with probability (a - lo) / (hi - lo), u uniform in [0, 1), a = min(|y|, 6); NaN gives
-// 0 | sign. As in e2m1_code_finite, adding M = 2^(22 + max(e, 0)) rounds a to the grid (nearest); one step back
-// when that went up gives lo, and (a - lo) times the step's reciprocal (powers of two, so every operation is
-// exact) is the probability. Integer and add operations only (no floor or conversion instruction).
+// 0 | sign. e2m1_nearest's grid point, one step back when it lies above a, is lo; (a - lo) times the step's
+// reciprocal (powers of two, so every operation is exact) is the probability.
 JHQ_HD uint8_t e2m1_code_sr(float y, float u) {
   const float a = nmin(fabsf(y), 6.0f);
-  const uint32_t eb = f2u(a) & 0xFF800000u, e = eb > 0x3F800000u ? eb : 0x3F800000u;  // 2^max(e, 0)
-  const uint32_t m = e + (22u << 23);
-  const float r = a + u2f(m), step = u2f(e - (1u << 23));
-  float lo = r - u2f(m);
-  uint32_t code = f2u(r) - m + (e >> 22) - 254u;
+  const E2m1Nearest n = e2m1_nearest(a);
+  float lo = n.r - u2f(n.m);
+  uint32_t code = n.code;
   if (lo > a) {
-    lo -= step;
+    lo -= u2f(n.pow - (1u << 23));
     code -= 1u;
   }
-  if (code < 7u && u < (a - lo) * u2f(0x7F800000u - e)) code += 1u;
+  if (code < 7u && u < (a - lo) * u2f(0x7F800000u - n.pow)) code += 1u;
   if (is_nan(a)) code = 0u;
   return uint8_t(code | ((f2u(y) >> 28) & 8u));
 }
