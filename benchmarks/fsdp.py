@@ -20,6 +20,7 @@ Prints a table and writes JSON (--out, default benchmarks/results/fsdp[_gpu].jso
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -131,12 +132,17 @@ def make_loss(name, mesh):
 
 
 def _weight_gathers(gathers, params):
-    """Weight gathers: 2D arrays of a kernel copy's shape (either orientation; packed FP4, block scales).
-    Token counts are chosen not to be of that form (seq 96 / 1536), so activation gathers are counted apart,
-    as are the norm scales (1D fp32)."""
+    """Weight gathers, told apart by element count: a kernel copy holds d * ff elements over a power of two
+    (packed FP4, block scales), in whatever 2D shape the backend gathers it (XLA's GPU backend gathers along
+    the major dim, then transposes). d and ff are powers of two and the token counts are not (seq 96 / 1536),
+    so activation gathers are counted apart, as are the norm scales (1D fp32)."""
     d, ff = params[0]["up"].shape
-    parts = {k // j for k in (d, ff) for j in (1, 2, 16, 32, 128)}  # packed FP4 and block-scale columns
-    return [c for c in gathers if len(c.shape) == 2 and c.shape[0] in parts and c.shape[1] in parts]
+    return [c for c in gathers if len(c.shape) == 2 and (d * ff) % math.prod(c.shape) == 0
+            and _power_of_two(d * ff // math.prod(c.shape))]
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def _split(loss_fn, args, params):
@@ -193,6 +199,9 @@ def main():
     ff = a.d_ff or (4 * d)
     batch = a.batch or (8 if gpu else 16)
     seq = a.seq or (1536 if gpu else 96)
+    if not _power_of_two(d * ff) or _power_of_two(batch * seq):
+        raise SystemExit("weight gathers are told from activation gathers by element count: d_model * d_ff must "
+                         f"be a power of two and batch * seq must not (got {d} * {ff}, {batch} * {seq})")
     params, x = init(a.layers, d, ff, batch, seq)
     rows = []
     for layout in (a.layouts or ("fsdp,tp,sp" if gpu else "fsdp")).split(","):

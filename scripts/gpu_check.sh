@@ -3,6 +3,7 @@
 # to OUTDIR. Usage: scripts/gpu_check.sh tests|bench [OUTDIR]   (JAXHQ_CUDA_ARCHS=90a by default; 100a: Blackwell)
 #   tests: the kernel tests (-m gpu; the quantize tests once per kernel variant in VARIANTS, default: the default
 #          one) and the dense-op and layer tests on the GPU backend, side by side
+#   multi: (>= 2 GPUs) the sharding tests, then benchmarks/fsdp.py --gpu (FSDP_ARGS): what only a multi-GPU machine runs
 #   recheck: only the tests selected by RECHECK (a pytest -k expression over the FFI and dense-op tests)
 #   bench: (RECHECK first when set) the benchmarks named by BENCH (default "train peer gemm quantize"; also
 #          "fsdp": benchmarks/fsdp.py --gpu over all local GPUs, FSDP_ARGS):
@@ -32,7 +33,14 @@ $PY -c "import jaxhq.ffi as f; print('cuda_built', f.load().cuda_built, 'gpu ker
 
 summary() { grep -E "^(FAILED|ERROR)|passed|failed" "$1" | cut -c1-250 | tail -${2:-12}; }
 
-if [ "$MODE" = tests ]; then
+if [ "$MODE" = multi ]; then
+  log "sharding tests on $(nvidia-smi -L | wc -l) GPUs"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -m gpu tests/test_sharding_gpu.py \
+    --tb=short -p no:cacheprovider >"$OUTDIR/sharding_gpu.log" 2>&1
+  summary "$OUTDIR/sharding_gpu.log" 20
+  log "fsdp ${FSDP_ARGS:-}"
+  timeout ${FSDP_TIMEOUT:-330} $PY benchmarks/fsdp.py --gpu ${FSDP_ARGS:-} --out "$OUTDIR/fsdp_gpu.json" 2>&1 | tee "$OUTDIR/fsdp_gpu.log"
+elif [ "$MODE" = tests ]; then
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   T=${TEST_TIMEOUT:-330}
   log "tests, in parallel (timeout ${T}s each)"

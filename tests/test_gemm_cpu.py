@@ -92,7 +92,8 @@ def test_cpu_handler_rejects_a_mismatched_call():
     """A call whose buffers do not match (here B's scales for another K) is an error naming the operand."""
     a, b, _ = _operands("fp8_block", "forward", 17)
     import jax.ffi
-    call = jax.ffi.ffi_call(G.FP8_TARGET, jax.ShapeDtypeStruct((17, b.data.shape[0]), jnp.float32))
+    call = jax.ffi.ffi_call(G.FP8_TARGET, (jax.ShapeDtypeStruct((17, b.data.shape[0]), jnp.float32),
+                                           jax.ShapeDtypeStruct((256,), jnp.uint8)))  # + the workspace
     empty = jnp.zeros((0,), jnp.float32)
     with pytest.raises(Exception, match="B scales .* do not match its data"):
         jax.block_until_ready(call(a.data, a.scale_inv, b.data, b.scale_inv[:, :1], empty, empty,

@@ -5,6 +5,7 @@ Layer i: h += down_i(gelu(up_i(rmsnorm(h)))); with `experts`, layer 1's MLP is a
 (tokens split half and half). Kernels carry logical axes (embed, mlp, expert); activations (batch, length, ...).
 """
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -114,15 +115,14 @@ def assert_close(got, want, exact, what, fraction=NOISE_FRACTION):
 
 
 def activation_gathers(hlo, tensor=1):
-    """All-gathers of anything but a kernel copy: a copy is [rows, cols] with rows a kernel dim (split on
-    tensor or not, or its 128-row blocks) and cols a kernel dim over 1, 2 (packed FP4), 16, 32 or 128 (block
-    scales); norm scales are 1D. Token counts (32..256) are none of these, so an activation never passes."""
+    """All-gathers of anything but a kernel copy, told apart by element count: a copy holds D F / tensor
+    elements over 1, 2 (packed FP4), 16, 32, 128, 256 or 128^2 (block scales), in whatever 2D shape the backend
+    gathers it (XLA's GPU backend gathers along the major dim, [shards * F, D / shards], then transposes);
+    norm scales are 1D. D = 3 * 128 and F = 5 * 128 are not powers of two and token counts (32..256) are, so
+    no activation (or its scales) has such a count."""
     from jaxhq.sharding.hlo import collectives
-    dims = {D, F, F // tensor, D // tensor}
-    rows = dims | {d // 128 for d in dims}
-    cols = {d // u for d in dims for u in (1, 2, 16, 32, 128)}
-    return [c for c in collectives(hlo, "all-gather") if len(c.shape) != 1 and
-            not (c.shape[-2] in rows and c.shape[-1] in cols)]
+    counts = {D * F // (t * u) for t in {1, tensor} for u in (1, 2, 16, 32, 128, 256, 128 * 128)}
+    return [c for c in collectives(hlo, "all-gather") if len(c.shape) != 1 and math.prod(c.shape) not in counts]
 
 
 def param_shardings(params, mesh, rules=DEFAULT_RULES):

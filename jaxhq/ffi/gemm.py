@@ -3,7 +3,7 @@
 `fp8_gemm` (per-tensor FP8, and FP8 blockwise 1x128 / 128x128) runs one cuBLASLt FP8 GEMM that reads the
 scales on the device; `blockscaled_gemm` runs MXFP8 on Hopper on FP8 tensor cores (`wgmma`, the 1x32 scales
 applied in FP32 registers per K step), and otherwise (NVFP4; other GPUs; K % 16 != 0) dequantizes both
-operands exactly to bf16 in XLA scratch memory and runs a cuBLASLt bf16 GEMM with the NVFP4 global scales as
+operands exactly to bf16 in a workspace and runs a cuBLASLt bf16 GEMM with the NVFP4 global scales as
 a device-side alpha. Each takes
 an optional bias [N] and an optional `accumulate` array [M, N] that the result is added into (aliased, for
 wgrad accumulation). `grouped_gemm` runs the ragged MoE version of either in one FFI call.
@@ -74,6 +74,65 @@ def _out_tail(m: int, n: int, out_dtype, bias, accumulate, name: str):
     return out_dtype, b, accumulate.astype(out_dtype), {5: 0}
 
 
+# The dense GEMM targets take their temporaries from a workspace result (uint8 [bytes]) that XLA allocates with
+# the call, so they can live in XLA's CUDA graphs. Its size covers every path the handler may take
+# (csrc/gemm/gemm_handlers.cc; each piece is rounded to 256 bytes): the cuBLASLt workspace, block-scale
+# re-layouts, dequantized operands, the unfused epilogue's temporary (bias or accumulate), and the retry with
+# A's rows padded to 16 (cuBLASLt refused block-scaled FP8 only for M % 16 != 0). A handler that runs out
+# says how many bytes it needed.
+LT_WORKSPACE = 32 << 20  # gemm_handlers.cc kWorkspace
+
+
+def _piece(nbytes: int) -> int:
+    return max(-(-int(nbytes) // 256) * 256, 256)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _scale_piece(mode: int, rows: int, k: int, pad: int) -> int:
+    """Bytes of one operand's re-laid block scales (or the aligned copy of a per-tensor scale)."""
+    if mode == MODE_TENSOR:
+        return _piece(4)
+    kb, sr = _cdiv(k, 128), rows if mode == MODE_VEC128 else _cdiv(rows, 128)
+    pad = max(pad, 1)
+    return _piece(4 * max(_cdiv(sr, pad) * pad * kb, sr * _cdiv(kb, pad) * pad))
+
+
+def _epilogue_pieces(m: int, n: int, out_bytes: int, fused_extra: bool, a_row_bytes: int) -> int:
+    """The unfused epilogue's temporary (with a bias or accumulate) and the padded retry (M % 16 != 0)."""
+    total = _piece(m * n * out_bytes) + _piece(8) if fused_extra else 0
+    if m % 16:
+        mp = _cdiv(max(m, 1), 16) * 16
+        total += _piece(mp * a_row_bytes) + _piece(mp * n * out_bytes) + _piece(8)
+    return total
+
+
+def workspace_bytes_fp8(m, n, k, mode_a, mode_b, out_dtype, extra: bool, layout=None) -> int:
+    """Workspace of jaxhq_gemm_fp8 for A [m, k], B [n, k]; `extra`: a bias or accumulate is given."""
+    pad = (layout or _layout())[1]
+    ob = jnp.dtype(out_dtype).itemsize
+    total = 256 + LT_WORKSPACE + _scale_piece(mode_a, m, k, pad) + _scale_piece(mode_b, n, k, pad)
+    if m % 16:  # the retry re-lays A's scales for the padded rows
+        total += _scale_piece(mode_a, _cdiv(max(m, 1), 16) * 16, k, pad)
+    return total + _epilogue_pieces(m, n, ob, extra, k)
+
+
+def workspace_bytes_dq(m, n, k, nvfp4: bool, out_dtype, extra: bool) -> int:
+    """Workspace of jaxhq_gemm_dq: bf16 copies of both operands (Hopper), or their block scales swizzled for
+    cuBLASLt (Blackwell), whichever is larger; the NVFP4 alpha; the epilogue and retry pieces."""
+    ob = jnp.dtype(out_dtype).itemsize
+    cols = _cdiv(k, 16 if nvfp4 else 32)
+    swizzled = sum(_piece(_cdiv(r, 128) * 128 * _cdiv(cols, 4) * 4) for r in (m, n))
+    operands = max(_piece(m * k * 2) + _piece(n * k * 2), swizzled)
+    return 256 + LT_WORKSPACE + operands + _piece(8) + _epilogue_pieces(m, n, ob, extra, 2 * k)
+
+
+def _workspace(nbytes: int):
+    return jax.ShapeDtypeStruct((nbytes,), jnp.uint8)
+
+
 def _fp8_mode(s: Storage, name: str) -> int:
     q = s.quantizer
     if q.name in ("fp8", "fp8_delayed"):
@@ -104,11 +163,12 @@ def fp8_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=None, accum
     out_dtype, bias_, c, aliases = _out_tail(m, n, out_dtype, bias, accumulate, name)
     if not _registered():
         raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
-    call = jax.ffi.ffi_call(FP8_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype), input_output_aliases=aliases,
-                            vmap_method="sequential")  # under vmap: one call per batch element
+    ws = _workspace(workspace_bytes_fp8(m, n, k, ma, mb, out_dtype, bias is not None or accumulate is not None))
+    call = jax.ffi.ffi_call(FP8_TARGET, (jax.ShapeDtypeStruct((m, n), out_dtype), ws),
+                            input_output_aliases=aliases, vmap_method="sequential")  # vmap: a call per element
     return call(a.data, jnp.asarray(a.scale_inv, jnp.float32), b.data, jnp.asarray(b.scale_inv, jnp.float32), bias_, c,
                 mode_a=np.int32(ma), mode_b=np.int32(mb), layout=np.int32(_layout()[0]), pad=np.int32(_layout()[1]),
-                accumulate=np.int32(accumulate is not None), fast_accum=np.int32(fast_accum))
+                accumulate=np.int32(accumulate is not None), fast_accum=np.int32(fast_accum))[0]
 
 
 def _dq_fmt(s: Storage, name: str) -> int:
@@ -193,10 +253,11 @@ def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=Non
     if not _registered():
         raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
     aliases = {7: 0} if aliases else {}
-    call = jax.ffi.ffi_call(DQ_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype), input_output_aliases=aliases,
+    ws = _workspace(workspace_bytes_dq(m, n, k, fa == FMT_NVFP4, out_dtype, bias is not None or accumulate is not None))
+    call = jax.ffi.ffi_call(DQ_TARGET, (jax.ShapeDtypeStruct((m, n), out_dtype), ws), input_output_aliases=aliases,
                             vmap_method="sequential")
     return call(_u8(a.data), _u8(a.scale_inv), amax_a, _u8(b.data), _u8(b.scale_inv), amax_b, bias_, c,
-                fmt_a=np.int32(fa), fmt_b=np.int32(fb), k=np.int64(k), accumulate=np.int32(accumulate is not None))
+                fmt_a=np.int32(fa), fmt_b=np.int32(fb), k=np.int64(k), accumulate=np.int32(accumulate is not None))[0]
 
 
 

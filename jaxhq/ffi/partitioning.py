@@ -251,6 +251,7 @@ def _batched(make, nbatch: int):
 # keep their sharding; a contraction split on K (row-parallel, wgrad over tokens) gives partial sums that one
 # psum (or a psum_scatter, where the output is wanted split on those axes) adds up. Nothing is gathered unless
 # a shard would cut a quantization block or the kernel cannot take the local shape; then that dim is whole.
+# The partial sums travel in the output's dtype.
 def _axes_tuple(entry) -> tuple:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
@@ -411,11 +412,15 @@ def _gemm_fn(kernel, sides: _GemmSides, out_dtype, has_bias: bool, has_acc: bool
             a, b, bias, acc = split(leaves, ways)
             if not k:
                 return call(a, b, bias, acc, out_dtype)
-            y = call(a, b, None, None, jnp.float32)  # partial sums over this device's K slice, added in fp32
+            # partial sums over this device's K slice, reduced in the output's dtype (as XLA's partitioned dot
+            # does: a bf16 output halves the bytes reduced); bias and accumulate are added once, in fp32
+            y = call(a, b, None, None, out_dtype)
             if scatter:
                 y = jax.lax.psum_scatter(y, scatter, scatter_dimension=nbatch, tiled=True)
             rest = tuple(x for x in k if x not in scatter)
             y = jax.lax.psum(y, rest) if rest else y
+            if bias is not None or acc is not None:
+                y = y.astype(jnp.float32)
             if bias is not None:
                 y = y + jnp.expand_dims(bias.astype(jnp.float32), -2)
             if acc is not None:

@@ -141,7 +141,7 @@ float scalar(const ffi::AnyBuffer& b, int64_t i) { return static_cast<const floa
 
 ffi::Error gemm_fp8(ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi::AnyBuffer b, ffi::AnyBuffer sb, ffi::AnyBuffer bias,
                     ffi::AnyBuffer c, ffi::Result<ffi::AnyBuffer> out, int32_t mode_a, int32_t mode_b, int32_t,
-                    int32_t, int32_t accumulate, int32_t) {
+                    int32_t, int32_t accumulate, int32_t, ffi::Result<ffi::AnyBuffer> /*workspace*/) {
   Operand oa, ob;
   if (auto e = fp8_operand(a, sa, mode_a, 1, "A", &oa); e.failure()) return e;
   if (auto e = fp8_operand(b, sb, mode_b, 1, "B", &ob); e.failure()) return e;
@@ -161,7 +161,8 @@ ffi::Error nvfp4_amaxes(const ffi::AnyBuffer& amax_a, const ffi::AnyBuffer& amax
 
 ffi::Error gemm_dq(ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi::AnyBuffer amax_a, ffi::AnyBuffer b, ffi::AnyBuffer sb,
                    ffi::AnyBuffer amax_b, ffi::AnyBuffer bias, ffi::AnyBuffer c, ffi::Result<ffi::AnyBuffer> out,
-                   int32_t fmt_a, int32_t fmt_b, int64_t k, int32_t accumulate) {
+                   int32_t fmt_a, int32_t fmt_b, int64_t k, int32_t accumulate,
+                   ffi::Result<ffi::AnyBuffer> /*workspace*/) {
   Operand oa, ob;
   if (auto e = dq_operand(a, sa, fmt_a, k, 1, "A", &oa); e.failure()) return e;
   if (auto e = dq_operand(b, sb, fmt_b, k, 1, "B", &ob); e.failure()) return e;

@@ -1,5 +1,8 @@
 // FFI bindings of the GEMM targets, shared by the CUDA handlers (gemm_handlers.cc, whose Bind() carries the
-// stream and the scratch allocator) and the CPU ones (cpu_gemm.cc): one argument and attribute list per target.
+// stream, and the scratch allocator for the grouped ones) and the CPU ones (cpu_gemm.cc): one argument and
+// attribute list per target. The dense targets end with a workspace result (uint8 [bytes], sized by
+// jaxhq/ffi/gemm.py): their temporaries live there, not in scratch memory, so XLA can record them into its
+// CUDA graphs (scratch memory is freed once the call returns, while a graph replays the recorded pointers).
 #pragma once
 #include <utility>
 
@@ -33,7 +36,7 @@ auto fp8_tail(B&& b) {
 
 template <typename B>
 auto gemm_fp8(B&& b) {
-  return fp8_tail(fp8(std::move(b)));
+  return fp8_tail(fp8(std::move(b))).template Ret<ffi::AnyBuffer>();  // + workspace
 }
 
 template <typename B>
@@ -65,7 +68,7 @@ auto dq_tail(B&& b) {
 
 template <typename B>
 auto gemm_dq(B&& b) {
-  return dq_tail(dq(std::move(b)));
+  return dq_tail(dq(std::move(b))).template Ret<ffi::AnyBuffer>();  // + workspace
 }
 
 template <typename B>

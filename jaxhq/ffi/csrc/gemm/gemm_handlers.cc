@@ -5,8 +5,11 @@
 //                   the NVFP4 global scales as alpha on the device.
 //   jaxhq_gemm_mxfp8: MXFP8 on Hopper FP8 tensor cores (mxfp8_wgmma.cu), the 1x32 scales applied in registers;
 //                   its grouped version reads the group sizes on the device (no host synchronisation).
-// Optional bias [N] and accumulate-into (out aliases the `c` input). Workspace and temporaries come from
-// XLA's scratch allocator. cuBLASLt row-major trick: D^T[N, M] = op(B_data)^T ... i.e. cuBLAS's A is our B
+// Optional bias [N] and accumulate-into (out aliases the `c` input). The dense handlers take their cuBLASLt
+// workspace and temporaries from a workspace result that XLA allocates with the call (sized by
+// jaxhq/ffi/gemm.py), so they are command-buffer compatible: XLA records them into its CUDA graphs with the
+// fusions and quantize kernels around them. The grouped ones (a host synchronisation) use the scratch
+// allocator. cuBLASLt row-major trick: D^T[N, M] = op(B_data)^T ... i.e. cuBLAS's A is our B
 // (transposed), cuBLAS's B is our A.
 #include <cuda_runtime.h>
 
@@ -59,19 +62,45 @@ uint32_t alignment_of(const void* p) {
   return a;
 }
 
+// A call's temporaries: 256-byte aligned pieces of its workspace result (bump allocation), or XLA scratch
+// memory when built from an allocator. A workspace too small for a path leaves `needed` set for the error.
 struct Scratch {
-  ffi::ScratchAllocator& alloc;
-  void* ws = nullptr;  // the cuBLASLt workspace, allocated on first use and shared by all GEMMs of a call
+  ffi::ScratchAllocator* alloc = nullptr;
+  char* base = nullptr;
+  size_t cap = 0, used = 0, needed = 0;
+  void* ws = nullptr;  // the cuBLASLt workspace, taken on first use and shared by all GEMMs of a call
+
+  explicit Scratch(ffi::ScratchAllocator& a) : alloc(&a) {}
+  explicit Scratch(ffi::Result<ffi::AnyBuffer>& w) {
+    uintptr_t p = reinterpret_cast<uintptr_t>(w->untyped_data()), q = (p + 255) / 256 * 256;
+    base = reinterpret_cast<char*>(q);
+    cap = w->size_bytes() > q - p ? w->size_bytes() - (q - p) : 0;
+  }
   void* get(size_t bytes) {
-    bytes = (bytes + 255) / 256 * 256;  // keep later allocations 256-byte aligned
-    auto p = alloc.Allocate((bytes ? bytes : 256), kScratchAlign);
-    return p.has_value() ? *p : nullptr;
+    bytes = std::max<size_t>((bytes + 255) / 256 * 256, 256);  // keep later pieces 256-byte aligned
+    if (alloc) {
+      auto p = alloc->Allocate(bytes, kScratchAlign);
+      return p.has_value() ? *p : nullptr;
+    }
+    if (used + bytes > cap) {
+      needed = used + bytes;
+      return nullptr;
+    }
+    used += bytes;
+    return base + used - bytes;
   }
   void* workspace() {
     if (!ws) ws = get(kWorkspace);
     return ws;
   }
 };
+
+// The error of a failed Scratch::get: names the workspace size when that is what ran out.
+ffi::Error out_of_scratch(const Scratch& s, const std::string& what) {
+  if (s.alloc || !s.needed) return internal("scratch allocation of " + what + " failed");
+  return internal("the workspace (" + std::to_string(s.cap) + " bytes) is too small for " + what + ": " +
+                  std::to_string(s.needed) + " bytes needed (jaxhq/ffi/gemm.py sizes it)");
+}
 
 // One cuBLASLt call in our terms.
 struct LtCall {
@@ -211,7 +240,7 @@ ffi::Error run_lt(cudaStream_t stream, Scratch& scratch, const LtCall& c, bool* 
   lt::Handle h;
   if (lt::Status s = lt::handle(&h); s != 0) return internal(lt_error("cublasLtCreate", s));
   void* ws = scratch.workspace();
-  if (!ws) return internal("scratch allocation of the cuBLASLt workspace failed");
+  if (!ws) return out_of_scratch(scratch, "the cuBLASLt workspace");
   const float one = 1.0f, zero = 0.0f;
   const size_t out_bytes = c.out_type == lt::kR32F ? 4 : 2;
 
@@ -240,12 +269,12 @@ ffi::Error run_lt(cudaStream_t stream, Scratch& scratch, const LtCall& c, bool* 
   plain.bias = nullptr;
   plain.accumulate = false;
   void* tmp = scratch.get(size_t(c.m) * c.n * out_bytes);
-  if (!tmp) return internal("scratch allocation of the GEMM temporary failed");
+  if (!tmp) return out_of_scratch(scratch, "the GEMM temporary");
   plain.d = tmp;
   float* ab = nullptr;
   if (c.alpha_beta) {  // device alpha with beta = 0 for the temporary
     ab = static_cast<float*>(scratch.get(2 * sizeof(float)));
-    if (!ab) return internal("scratch allocation failed");
+    if (!ab) return out_of_scratch(scratch, "alpha and beta");
     cudaMemcpyAsync(ab, c.alpha_beta, sizeof(float), cudaMemcpyDeviceToDevice, stream);
     cudaMemsetAsync(ab + 1, 0, sizeof(float), stream);
     plain.alpha_beta = ab;
@@ -284,7 +313,7 @@ ffi::Error run_with_retry(cudaStream_t stream, Scratch& scratch, LtCall c, size_
   const size_t out_bytes = c.out_type == lt::kR32F ? 4 : 2;
   void* ap = scratch.get(size_t(mp) * a_row_bytes);
   void* tmp = scratch.get(size_t(mp) * c.n * out_bytes);
-  if (!ap || !tmp) return internal("scratch allocation for the padded GEMM failed");
+  if (!ap || !tmp) return out_of_scratch(scratch, "the padded GEMM");
   if (cudaMemsetAsync(ap, 0, size_t(mp) * a_row_bytes, stream) != cudaSuccess ||
       cudaMemcpyAsync(ap, c.a, size_t(c.m) * a_row_bytes, cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
     return internal("padding A failed");
@@ -296,7 +325,7 @@ ffi::Error run_with_retry(cudaStream_t stream, Scratch& scratch, LtCall c, size_
       return e;
   if (c.alpha_beta) {
     float* ab = static_cast<float*>(scratch.get(2 * sizeof(float)));
-    if (!ab) return internal("scratch allocation failed");
+    if (!ab) return out_of_scratch(scratch, "alpha and beta");
     cudaMemcpyAsync(ab, c.alpha_beta, sizeof(float), cudaMemcpyDeviceToDevice, stream);
     cudaMemsetAsync(ab + 1, 0, sizeof(float), stream);
     p.alpha_beta = ab;
@@ -350,7 +379,8 @@ ffi::Error scale_ptr(cudaStream_t stream, Scratch& scratch, const float* src, in
   if (mode == kTensor) {
     if (reinterpret_cast<uintptr_t>(src) % 16) {  // e.g. one scalar of a stacked [G]: give cuBLASLt an aligned copy
       float* copy = static_cast<float*>(scratch.get(sizeof(float)));
-      if (!copy || cudaMemcpyAsync(copy, src, sizeof(float), cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
+      if (!copy) return out_of_scratch(scratch, "an aligned scale");
+      if (cudaMemcpyAsync(copy, src, sizeof(float), cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
         return internal("copying a scale failed");
       src = copy;
     }
@@ -372,7 +402,7 @@ ffi::Error scale_ptr(cudaStream_t stream, Scratch& scratch, const float* src, in
     rs = ld, cs = 1, total = ld * lr;
   }
   float* out = static_cast<float*>(scratch.get(size_t(total) * sizeof(float)));
-  if (!out) return internal("scratch allocation of a scale re-layout failed");
+  if (!out) return out_of_scratch(scratch, "a scale re-layout");
   std::string e = gemm::relayout_scales(src, sr, kb, out, rs, cs, total, stream);
   if (!e.empty()) return internal("scale re-layout: " + e);
   *ptr = out;
@@ -395,11 +425,11 @@ ffi::Error prepare_scale(cudaStream_t stream, Scratch& scratch, const ffi::AnyBu
   return scale_ptr(stream, scratch, static_cast<const float*>(s.untyped_data()), mode, rows, k, layout, pad, ptr, lt_mode, 0);
 }
 
-ffi::Error gemm_fp8(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi::AnyBuffer a, ffi::AnyBuffer sa,
-                    ffi::AnyBuffer b, ffi::AnyBuffer sb, ffi::AnyBuffer bias, ffi::AnyBuffer cin,
-                    ffi::Result<ffi::AnyBuffer> out, int32_t mode_a, int32_t mode_b, int32_t layout, int32_t pad,
-                    int32_t accumulate, int32_t fast_accum) {
-  Scratch scratch{alloc};
+ffi::Error gemm_fp8(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi::AnyBuffer b, ffi::AnyBuffer sb,
+                    ffi::AnyBuffer bias, ffi::AnyBuffer cin, ffi::Result<ffi::AnyBuffer> out, int32_t mode_a,
+                    int32_t mode_b, int32_t layout, int32_t pad, int32_t accumulate, int32_t fast_accum,
+                    ffi::Result<ffi::AnyBuffer> workspace) {
+  Scratch scratch{workspace};
   auto da = a.dimensions(), db = b.dimensions();
   if (da.size() != 2 || db.size() != 2 || da[1] != db[1])
     return invalid("A and B must be [M, K] and [N, K], got " + dims(a) + " and " + dims(b));
@@ -425,7 +455,7 @@ ffi::Error gemm_fp8(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi::AnyBu
 ffi::Error dequant_ptr(cudaStream_t stream, Scratch& scratch, const uint8_t* x, const uint8_t* s, int64_t rows,
                        int32_t fmt, int64_t k, void** out) {
   void* buf = scratch.get(size_t(rows) * k * 2);
-  if (!buf) return internal("scratch allocation of a dequantized operand failed");
+  if (!buf) return out_of_scratch(scratch, "a dequantized operand");
   std::string e;
   if (fmt == kNvfp4) e = gemm::dequant_nvfp4(x, s, rows, k, buf, stream);
   else e = gemm::dequant_mxfp8(x, s, rows, k, fmt == kMxE5M2, buf, stream);
@@ -482,7 +512,7 @@ ffi::Error gemm_native(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuff
   if (c.k % (fmt_a == kNvfp4 ? 32 : 16)) return invalid("native block-scaled GEMM needs K % 32 (NVFP4) / 16 (MXFP8)");
   uint8_t* ssa = static_cast<uint8_t*>(scratch.get(gemm::swizzled_bytes(c.m, cols)));
   uint8_t* ssb = static_cast<uint8_t*>(scratch.get(gemm::swizzled_bytes(c.n, cols)));
-  if (!ssa || !ssb) return internal("scratch allocation of swizzled scales failed");
+  if (!ssa || !ssb) return out_of_scratch(scratch, "swizzled scales");
   std::string e = gemm::swizzle_block_scales(static_cast<const uint8_t*>(sa.untyped_data()), c.m, cols, ssa, stream);
   if (e.empty()) e = gemm::swizzle_block_scales(static_cast<const uint8_t*>(sb.untyped_data()), c.n, cols, ssb, stream);
   if (!e.empty()) return internal("swizzle: " + e);
@@ -492,7 +522,7 @@ ffi::Error gemm_native(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuff
   c.mode_a = c.mode_b = fmt_a == kNvfp4 ? lt::kScaleVec16UE4M3 : lt::kScaleVec32UE8M0;
   if (fmt_a == kNvfp4) {
     float* ab = static_cast<float*>(scratch.get(2 * sizeof(float)));
-    if (!ab) return internal("scratch allocation failed");
+    if (!ab) return out_of_scratch(scratch, "alpha and beta");
     e = gemm::nvfp4_alpha(static_cast<const float*>(amax_a.untyped_data()), static_cast<const float*>(amax_b.untyped_data()),
                           c.accumulate ? 1.f : 0.f, ab, stream);
     if (!e.empty()) return internal("alpha: " + e);
@@ -501,11 +531,11 @@ ffi::Error gemm_native(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuff
   return run_with_retry(stream, scratch, c, size_t(fmt_a == kNvfp4 ? c.k / 2 : c.k), ScaleSrc{});
 }
 
-ffi::Error gemm_dq(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi::AnyBuffer a, ffi::AnyBuffer sa,
-                   ffi::AnyBuffer amax_a, ffi::AnyBuffer b, ffi::AnyBuffer sb, ffi::AnyBuffer amax_b,
-                   ffi::AnyBuffer bias, ffi::AnyBuffer cin, ffi::Result<ffi::AnyBuffer> out, int32_t fmt_a,
-                   int32_t fmt_b, int64_t k, int32_t accumulate) {
-  Scratch scratch{alloc};
+ffi::Error gemm_dq(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi::AnyBuffer amax_a, ffi::AnyBuffer b,
+                   ffi::AnyBuffer sb, ffi::AnyBuffer amax_b, ffi::AnyBuffer bias, ffi::AnyBuffer cin,
+                   ffi::Result<ffi::AnyBuffer> out, int32_t fmt_a, int32_t fmt_b, int64_t k, int32_t accumulate,
+                   ffi::Result<ffi::AnyBuffer> workspace) {
+  Scratch scratch{workspace};
   if (native_block_scaling() && k % 32 == 0 && !(fmt_a == kMxE5M2 && fmt_b == kMxE5M2)) {
     auto da = a.dimensions(), db = b.dimensions();
     if (da.size() != 2 || db.size() != 2) return invalid("A and B data must be 2D");
@@ -532,7 +562,7 @@ ffi::Error gemm_dq(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi::AnyBuf
       if (am->element_type() != ffi::DataType::F32 || am->element_count() != 1)
         return invalid("NVFP4 amax must be a float32 scalar");
     float* ab = static_cast<float*>(scratch.get(2 * sizeof(float)));
-    if (!ab) return internal("scratch allocation failed");
+    if (!ab) return out_of_scratch(scratch, "alpha and beta");
     std::string e = gemm::nvfp4_alpha(static_cast<const float*>(amax_a.untyped_data()),
                                       static_cast<const float*>(amax_b.untyped_data()), c.accumulate ? 1.f : 0.f, ab, stream);
     if (!e.empty()) return internal("alpha: " + e);
@@ -677,7 +707,7 @@ ffi::Error gemm_dq_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi
         amax_b.element_type() != ffi::DataType::F32 || int64_t(amax_b.element_count()) != groups)
       return invalid("grouped NVFP4: amax must be float32, a scalar for A and [G] for B");
     ab = static_cast<float*>(scratch.get(2 * sizeof(float) * std::max<int64_t>(groups, 1)));
-    if (!ab) return internal("scratch allocation failed");
+    if (!ab) return out_of_scratch(scratch, "alpha and beta");
     for (int64_t g = 0; g < groups; ++g) {
       std::string e = gemm::nvfp4_alpha(static_cast<const float*>(amax_a.untyped_data()),
                                         static_cast<const float*>(amax_b.untyped_data()) + g, accumulate ? 1.f : 0.f,
@@ -710,7 +740,7 @@ ffi::Error run_mxfp8(cudaStream_t stream, Scratch& scratch, const gemm::Mxfp8Ope
                      int64_t n, int64_t k, const int32_t* gs, int64_t groups, const LtCall& c) {
   void* sa = scratch.get(gemm::mxfp8_scale_bytes(a.rows, k));
   void* sb = scratch.get(gemm::mxfp8_scale_bytes(b.rows, k));
-  if (!sa || !sb) return internal("scratch allocation of the MXFP8 scales failed");
+  if (!sa || !sb) return out_of_scratch(scratch, "the MXFP8 scales");
   std::string e = gemm::mxfp8_wgmma_gemm(a, b, n, k, gs, groups, c.d, c.out_type == lt::kR32F, c.bias, c.accumulate, sa,
                                          sb, stream);
   return e.empty() ? ffi::Error::Success() : invalid("MXFP8 wgmma GEMM: " + e);
@@ -754,14 +784,19 @@ ffi::Error gemm_mxfp8_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, 
   }
   return run_mxfp8(stream, scratch, oa, ob, n, k, static_cast<const int32_t*>(gs.untyped_data()), groups, c);
 }
-// The CUDA handlers' binding prefix: the stream, then XLA's scratch allocator.
-auto cuda_bind() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>(); }
+// The CUDA handlers' binding prefixes: the stream (dense: temporaries in the workspace result), then XLA's
+// scratch allocator (grouped).
+auto stream_bind() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
+auto cuda_bind() { return stream_bind().Ctx<ffi::ScratchAllocator>(); }
 }  // namespace
 }  // namespace jaxhq
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_fp8, jaxhq::gemm_fp8, jaxhq::gemm_bind::gemm_fp8(jaxhq::cuda_bind()));
+// Dense GEMMs: launches on the call's stream into XLA-allocated buffers, no synchronisation: graphable.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_fp8, jaxhq::gemm_fp8, jaxhq::gemm_bind::gemm_fp8(jaxhq::stream_bind()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_dq, jaxhq::gemm_dq, jaxhq::gemm_bind::gemm_dq(jaxhq::cuda_bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_dq, jaxhq::gemm_dq, jaxhq::gemm_bind::gemm_dq(jaxhq::stream_bind()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_fp8_grouped, jaxhq::gemm_fp8_grouped, jaxhq::gemm_bind::gemm_fp8_grouped(jaxhq::cuda_bind()));
 
