@@ -52,6 +52,19 @@ def _own_category(rhs: str) -> str | None:
     return None
 
 
+def describe(hlo_text: str) -> dict:
+    """{instruction name: its result shape and opcode (custom calls: their target)}, to name the top ops."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _INST.match(line)
+        if m:
+            rhs = m.group(2).split(", metadata=")[0]
+            target = re.search(r'custom_call_target="([^"]+)"', rhs)
+            shape = rhs.split(" ")[0] if not rhs.startswith("(") else rhs[:rhs.find(")") + 1]
+            out[m.group(1)] = f"{shape[:90]} {target.group(1) if target else _opcode(rhs)}"
+    return out
+
+
 def categorize(hlo_text: str) -> dict:
     """{instruction name: category} for every instruction of a compiled module's HLO text; a fusion (or any
     call) takes the strongest category of the instructions it calls (gemm > attention > quantize)."""
@@ -139,6 +152,9 @@ def profile_step(run_step, steps: int, hlo_text: str, step_s: float) -> dict:
         per_op[hlo] += dur / 1e6 / steps
     out = {f"{c}_ms": v for c, v in ms.items()}
     out["top_ops"] = [(h, cats.get(h, "?"), round(t, 3)) for h, t in per_op.most_common(12)]
+    desc = describe(hlo_text)
+    out["top_quantize_ops"] = [(h, desc.get(h, "?"), round(t, 3)) for h, t in per_op.most_common()
+                               if cats.get(h) == "quantize"][:16]
     out.update(device_ms=device_ms, idle_ms=max(1e3 * step_s - device_ms, 0.0),
                kernels_per_step={c: v / steps for c, v in n_kernels.items()},
                unmatched_ops=len({h for h, _ in events if h not in cats}))
