@@ -6,7 +6,8 @@
 #   multi: (>= 2 GPUs) the sharding tests, then benchmarks/fsdp.py --gpu (FSDP_ARGS): what only a multi-GPU machine runs
 #   recheck: only the tests selected by RECHECK (a pytest -k expression over the FFI and dense-op tests)
 #   bench: (RECHECK first when set) the benchmarks named by BENCH (default "train peer gemm quantize"; also
-#          "fsdp": benchmarks/fsdp.py --gpu over all local GPUs, FSDP_ARGS):
+#          "quick": train_step.py --preset quick, QUICK_ARGS; "fsdp": benchmarks/fsdp.py --gpu over all local
+#          GPUs, FSDP_ARGS):
 #          train_step.py (every recipe against bf16; TRAIN_ARGS adds options, e.g. --paths), peer_fp8.py,
 #          gemm.py (GEMM_ARGS) and quantize.py once per kernel variant in VARIANTS (default: the default one)
 set -uo pipefail
@@ -76,7 +77,10 @@ else
     case $b in
       train) log "train_step ${TRAIN_ARGS:-}"
         timeout ${TRAIN_TIMEOUT:-420} $PY benchmarks/train_step.py --budget-s ${TRAIN_BUDGET:-300} --steps 10 \
-          ${TRAIN_ARGS:-} --out "$OUTDIR/train_step.json" 2>&1 | tee "$OUTDIR/train_step.log" | tail -22 ;;
+          ${TRAIN_ARGS:-} --out "$OUTDIR/train_step.json" 2>&1 | tee "$OUTDIR/train_step.log" | grep -v "top ops" | tail -22 ;;
+      quick) log "train_step --preset quick ${QUICK_ARGS:-}"
+        timeout ${QUICK_TIMEOUT:-200} $PY benchmarks/train_step.py --preset quick --steps 10 ${QUICK_ARGS:-} \
+          --out "$OUTDIR/train_step_quick.json" 2>&1 | tee "$OUTDIR/train_step_quick.log" | grep -v "top ops" | tail -22 ;;
       peer) log "peer_fp8"
         timeout ${PEER_TIMEOUT:-200} $PY benchmarks/peer_fp8.py ${PEER_ARGS:-} --out "$OUTDIR/peer_fp8.json" 2>&1 | tail -18 ;;
       fsdp) log "fsdp ${FSDP_ARGS:-}"  # sharded steps (FSDP, TP, SP) over all local GPUs

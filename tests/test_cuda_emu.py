@@ -69,7 +69,8 @@ def emu(tmp_path_factory):
     subprocess.run([cxx, "-shared", "-o", str(lib_path), *map(str, out.glob("*.o"))], check=True)
     lib = ctypes.CDLL(str(lib_path))
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64  # harness.cc's signatures
-    lib.emu_quantize.argtypes = [ptr, i32, i64, i64, i64, ptr, ptr, i32, i32, ptr, ptr, i32, i32, ptr, ptr, i32, i32]
+    lib.emu_quantize.argtypes = [ptr, i32, i64, i64, i64, ptr, i32, ctypes.c_float, ptr, i32, i32, ptr, ptr, i32,
+                                 i32, ptr, ptr, ptr, i32, i32]
     lib.emu_amax.argtypes = [ptr, i32, i64, i64, i64, i32, ptr, ptr, i32, i32]
     lib.emu_dequantize.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i64, i64, i64, i32, i32]
     lib.emu_dequant_mxfp8.argtypes = [ptr, ptr, i64, i64, i32, ptr, i32]
@@ -92,15 +93,18 @@ def _nbytes(fmt, opts, r, c):
     return P.nbytes(P.data_shape_dtype(fmt, opts, r, c)), P.nbytes(P.scale_shape_dtype(fmt, r, c))
 
 
-def _quantize(lib, x, row, col, scales, seed, variant, order, poison):
-    """(error text, [row data, row scale, col data, col scale] bytes) of one call; variant -1: CPU code."""
+def _quantize(lib, x, row, col, scales, seed, variant, order, poison, eps=0.0):
+    """(error text, [row data, row scale, col data, col scale] bytes, amax [batch] float32) of one call;
+    variant -1: CPU code. scales [batch, 2] (one per copy) or [batch, 1] (shared)."""
     batch, m, k = x.shape
     sizes = (*_nbytes(*row, m, k), *_nbytes(*col, k, m))
     outs = [np.full(max(batch * n, 1), poison, np.uint8) for n in sizes]
+    amax = np.full(batch, np.float32(-1))
     dtype_id = next(i for i, d in DTYPES.items() if np.dtype(d) == x.dtype)
-    err = lib.emu_quantize(_ptr(x), dtype_id, batch, m, k, _ptr(scales), _ptr(seed), row[0], row[1], _ptr(outs[0]),
-                           _ptr(outs[1]), col[0], col[1], _ptr(outs[2]), _ptr(outs[3]), variant, order)
-    return err.decode(), [o[:batch * n] for o, n in zip(outs, sizes)]
+    err = lib.emu_quantize(_ptr(x), dtype_id, batch, m, k, _ptr(scales), scales.shape[1], eps, _ptr(seed), row[0],
+                           row[1], _ptr(outs[0]),
+                           _ptr(outs[1]), col[0], col[1], _ptr(outs[2]), _ptr(outs[3]), _ptr(amax), variant, order)
+    return err.decode(), [o[:batch * n] for o, n in zip(outs, sizes)], amax
 
 
 def _fp8_nan(b, e5m2: bool):
@@ -169,13 +173,18 @@ def test_quantize_kernel_matches_cpu_code(emu, q, shape, dtype_id, batch):
         if usage[0][0] == P.NONE and usage[1][0] == P.NONE:
             continue
         x = _input(shape, dtype_id, batch, special)
-        scales = rng.uniform(0.5, 300.0, (batch, 2)).astype(np.float32)
+        # per-tensor copies: the scalar is a scale, or (FROM_AMAX) an amax, shared by both copies in the special
+        # case, which also takes an eps above some amaxes
+        scales = rng.uniform(0.5, 300.0, (batch, 1 if special else 2)).astype(np.float32)
+        eps = 1.0 if special else 0.0
         seed = np.array([[*rng.integers(0, 2 ** 32, 2), 0, 0, *shape]] * batch, np.uint32)
-        err, want = _quantize(emu, x, *usage, scales, seed, -1, 0, 0)
+        err, want, want_amax = _quantize(emu, x, *usage, scales, seed, -1, 0, 0, eps)
         assert err == ""
+        np.testing.assert_array_equal(want_amax, np.max(np.abs(x.astype(np.float32)), axis=(1, 2)))  # NaN: NaN
         for variant, order, poison in itertools.product(VARIANTS, ORDERS, POISONS):
-            err, got = _quantize(emu, x, *usage, scales, seed, variant, order, poison)
+            err, got, got_amax = _quantize(emu, x, *usage, scales, seed, variant, order, poison, eps)
             assert err == "", err
+            np.testing.assert_array_equal(got_amax, want_amax)  # the amax output, NaN whatever its payload
             for i, (name, g, w) in enumerate(zip(("row data", "row scale", "col data", "col scale"), got, want)):
                 bad = _differ(g, w, *usage[i // 2], is_data=i % 2 == 0)
                 assert bad.size == 0, (f"{q.label} {shape} batch {batch} {usage} variant {variant} order {order} "
@@ -207,7 +216,7 @@ def test_dequantize_kernel_matches_cpu_code(emu, q):
     rng = np.random.default_rng(next(_seed))
     scales = rng.uniform(0.5, 300.0, (1, 2)).astype(np.float32)
     seed = np.array([[1, 2, 0, 0, *shape]], np.uint32)
-    err, (data, scale, _, _) = _quantize(emu, x, (fmt, opts), (P.NONE, 0), scales, seed, -1, 0, 0)
+    err, (data, scale, _, _), _ = _quantize(emu, x, (fmt, opts), (P.NONE, 0), scales, seed, -1, 0, 0)
     assert err == ""
     scalar = scales[:, 0].copy()
     outs = []

@@ -92,12 +92,15 @@ def test_amax_and_vmap():
     # vmap of quantize: each batch element equals its own call
     sc = jnp.ones((3, 2), jnp.float32)
     seed = jnp.broadcast_to(P.seed_words(jnp.zeros((2,), jnp.uint32), 48, 40), (3, 6))
-    f = lambda x, s, k: P.quantize(x, s, k, (P.MXFP8, 0), (P.FP8_BLOCK_1x128, P.OPT_POW2))  # noqa: E731
+    f = lambda x, s, k: P.quantize(x, s, k, (P.MXFP8, 0), (P.FP8_BLOCK_1x128, P.OPT_POW2),  # noqa: E731
+                                   want_amax=True)
     batched = jax.vmap(f)(xs, sc, seed)
+    np.testing.assert_array_equal(np.asarray(batched[4]), np.asarray(ref))  # the amax output, per element
     for i in range(3):
         one = f(xs[i], sc[i], seed[i])
         for b, o in zip(batched, one):
-            np.testing.assert_array_equal(np.asarray(b[i]).view(np.uint8), np.asarray(o).view(np.uint8))
+            np.testing.assert_array_equal(np.asarray(b[i]).reshape(-1).view(np.uint8),
+                                          np.asarray(o).reshape(-1).view(np.uint8))
 
 
 def test_jit_and_dequantize():

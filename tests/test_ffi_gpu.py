@@ -129,3 +129,8 @@ def test_cuda_amax_dequantize_vmap():
     for q in SINGLE:
         got = quantize_copies(nan_x, q)
         assert bool(jnp.isnan(got["rowwise"].dequantize()).any()), q.label
+    # delayed scaling's amax comes out of the quantize kernel: the reference's NaN (canonical bits) for a NaN input
+    for xin in (nan_x, nan_x.astype(jnp.float32)):  # the register-tile kernel and the shared-memory tile kernel
+        got = quantize_copies(xin, DELAYED, state=state_for(DELAYED), poison=True)
+        ref = reference_copies(xin, DELAYED, ("rowwise", "columnwise"), state=state_for(DELAYED))
+        assert compare(got, ref, f"NaN {xin.dtype}") == []

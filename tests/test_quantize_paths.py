@@ -85,3 +85,60 @@ def test_plan_shows_the_path(kernels_everywhere):
     role = jaxhq.QuantizerRole("linear", "input", "layers_0.fc1")
     text = str(jaxhq.plan("hybrid:mxfp8:nvfp4", [role]))
     assert "path (row|col)" in text and "kernel|xla" in text
+
+
+def test_delayed_scaling_takes_its_amax_from_the_quantize_kernel(kernels_everywhere):
+    """Delayed scaling knows its scale beforehand: the quantize kernel also writes max |x| from the values it
+    reads, so the program has no amax pass of its own (no reduce over x, no jaxhq_amax), and the recorded amax
+    and the next state are the reference's bit for bit, NaN included."""
+    from jaxhq.formats import Float8DelayedScaling, init_state, update_state
+    q = Float8DelayedScaling(history_len=4)
+    x = jax.random.normal(jax.random.key(2), (256, 384), jnp.float32).astype(jnp.bfloat16) * 3
+    st = init_state(q)
+    for xi in (x, x.at[7, 9].set(jnp.nan)):
+        out = {}
+        for spec in ("all=kernel", "all=xla"):
+            kernels_everywhere.setenv("JAXHQ_QUANTIZE_PATH", spec)
+            fn = jax.jit(lambda x, st: (lambda qt: (qt, update_state(q, st, qt)))(quantize(x, q, state=st)))
+            hlo = fn.lower(xi, st).compile().as_text()
+            if spec == "all=kernel":
+                assert hlo.count('custom_call_target="jaxhq_quantize"') == 1 and "jaxhq_amax" not in hlo
+                assert not [ln for ln in hlo.splitlines() if " reduce(" in ln and "dimensions={0,1}" in ln], spec
+            out[spec] = fn(xi, st)
+        (qa, sa), (qb, sb) = out["all=kernel"], out["all=xla"]
+        for a, b in ((qa.rowwise.amax, qb.rowwise.amax), (qa.columnwise.amax, qb.columnwise.amax),
+                     (qa.rowwise.data, qb.rowwise.data), (qa.columnwise.data, qb.columnwise.data),
+                     (sa["amax_history"], sb["amax_history"]), (sa["scale"], sb["scale"])):
+            np.testing.assert_array_equal(np.asarray(a).reshape(-1).view(np.uint8),
+                                          np.asarray(b).reshape(-1).view(np.uint8))
+        assert bool(jnp.isnan(qa.rowwise.amax)) == bool(jnp.isnan(xi).any())
+
+
+@pytest.mark.parametrize("q", [Float8CurrentScaling(), Float8CurrentScaling("e5m2", power_2_scale=True),
+                               Float8CurrentScaling(amax_epsilon=2.0),
+                               Hybrid(Float8CurrentScaling(), Float8CurrentScaling("e5m2", amax_epsilon=2.0))],
+                         ids=lambda q: q.label)
+def test_current_scaling_scale_is_computed_in_the_kernel(kernels_everywhere, q):
+    """The quantize kernel takes the amax and computes scale and scale_inv itself (one launch after the amax,
+    no small XLA kernels around it), equal to fp8.scale_from_amax bit for bit: powers of 2, an eps that
+    matters (amaxes below it), a NaN amax, and a hybrid whose sides' eps differ (one side's scale from jnp)."""
+    x = jax.random.normal(jax.random.key(3), (256, 384), jnp.float32).astype(jnp.bfloat16)
+    for xi in (x, x * 1e-3, x.at[1, 2].set(jnp.nan)):
+        out = {}
+        for spec in ("all=kernel", "all=xla"):
+            kernels_everywhere.setenv("JAXHQ_QUANTIZE_PATH", spec)
+            hlo, out[spec] = _hlo_and_copies(q, xi)
+            if spec == "all=kernel":
+                compiled = jax.jit(lambda x: quantize(x, q)).lower(xi).compile().as_text()
+                assert hlo.count("jaxhq_quantize") == 1
+                same_eps = not isinstance(q, Hybrid)
+                assert (" divide(" not in compiled) == same_eps, compiled
+        for axis in ("rowwise", "columnwise"):
+            ka, xa = out["all=kernel"].get(axis), out["all=xla"].get(axis)
+            # FP8 codes as values: NaN equals NaN whatever its code (E5M2 has three; XLA and the kernels pick
+            # different ones), everything else exactly
+            np.testing.assert_array_equal(np.asarray(ka.data, np.float32), np.asarray(xa.data, np.float32))
+            for f in ("scale_inv", "amax"):
+                a, b = getattr(ka, f), getattr(xa, f)
+                np.testing.assert_array_equal(np.asarray(a).reshape(-1).view(np.uint8),
+                                              np.asarray(b).reshape(-1).view(np.uint8), err_msg=f"{axis}.{f}")

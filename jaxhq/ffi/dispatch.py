@@ -27,7 +27,9 @@ from . import primitives as P
 def format_id(q, axis: str) -> Optional[tuple]:
     """(format id, option bits) of a plain quantizer for the `axis` copy, or None when no kernel covers it."""
     e5 = P.OPT_E5M2 if getattr(q, "fmt", "e4m3") == "e5m2" else 0
-    if isinstance(q, (Float8CurrentScaling, Float8DelayedScaling)):
+    if isinstance(q, Float8CurrentScaling):  # the kernel computes the scale from the amax it is given
+        return P.FP8_TENSOR, e5 | P.OPT_FROM_AMAX | (P.OPT_POW2 if q.power_2_scale else 0)
+    if isinstance(q, Float8DelayedScaling):
         return P.FP8_TENSOR, e5
     if isinstance(q, MXFP8):
         return P.MXFP8, e5
@@ -70,32 +72,39 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     for a in usage:
         side(quantizer, a).check_shape(*((m, k) if a == ROWWISE else (k, m)), a)
 
-    # Per-tensor amaxes (FP8 per-tensor and NVFP4 sides need one; the RHT side needs the transformed one).
-    need_amax = any(v is not None and v[0] in (P.FP8_TENSOR, P.NVFP4) for v in ids.values())
+    # Per-tensor amaxes. FP8 current scaling and NVFP4 need theirs before quantizing (the RHT side the
+    # transformed one); delayed scaling's scale is known beforehand, so its amax (for the history) comes out of
+    # the quantize kernel itself, from the values it reads anyway: no pass of its own.
+    delayed = {a for a, v in ids.items() if v is not None and isinstance(side(quantizer, a), Float8DelayedScaling)}
+    need_amax = any(v is not None and v[0] in (P.FP8_TENSOR, P.NVFP4) and a not in delayed for a, v in ids.items())
     need_rht = any(v is not None and v[0] == P.NVFP4 and v[1] & P.OPT_RHT for v in ids.values())
     amax_plain = amax_rht = None
-    if need_amax:
-        if amax is not None:
-            amax_plain = amax_rht = jnp.asarray(amax, jnp.float32)
-        elif not need_rht and quantize_paths()["amax"] == "xla":
-            amax_plain = _fp8.tensor_amax(x2d)  # XLA's reduction, fusable into x's producer
-        else:
-            amax_plain, amax_rht = PT.amax(x2d, rht=need_rht)
+    if amax is not None:
+        amax_plain = amax_rht = jnp.asarray(amax, jnp.float32)
+    elif need_amax and not need_rht and quantize_paths()["amax"] == "xla":
+        amax_plain = _fp8.tensor_amax(x2d)  # XLA's reduction, fusable into x's producer
+    elif need_amax:
+        amax_plain, amax_rht = PT.amax(x2d, rht=need_rht)
 
-    scales, amaxes, key_words = [], {}, jnp.zeros((2,), jnp.uint32)
+    # Each copy's scalar: the amax (current scaling: the kernel computes scale and scale_inv from it, so no
+    # small XLA kernels surround the launch), the state's scale (delayed) or NVFP4's global encode.
+    values, amaxes, key_words, eps = {}, {}, jnp.zeros((2,), jnp.uint32), None
     for a in USAGES:
         v = ids.get(a)
         q = side(quantizer, a)
-        s = jnp.float32(1.0)
+        s = None
         if v is not None and v[0] == P.FP8_TENSOR:
             amaxes[a] = amax_plain
             if isinstance(q, Float8DelayedScaling):
                 st = _side_state(quantizer, state, a)
                 if st is None:
                     return None  # the reference raises the helpful error
-                s = st["scale"].astype(jnp.float32)
+                s = st["scale"]
+            elif eps is None or eps == q.amax_epsilon:  # one eps per launch
+                eps, s = q.amax_epsilon, amax_plain
             else:
                 s = _fp8.scale_from_amax(amax_plain, q.fmt, q.amax_epsilon, q.power_2_scale)
+                ids[a] = (P.FP8_TENSOR, v[1] & ~(P.OPT_FROM_AMAX | P.OPT_POW2))
         elif v is not None and v[0] == P.NVFP4:
             am = amax_rht if v[1] & P.OPT_RHT else amax_plain
             amaxes[a] = am
@@ -104,18 +113,29 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
                 if key is None:
                     return None  # the reference raises the helpful error
                 key_words = jax.random.bits(key, (2,), jnp.uint32)
-        scales.append(jnp.asarray(s, jnp.float32))
+        if s is not None:
+            values[a] = s
+    # one scalar for both copies when they read the same one (or only one reads any), else one each
+    vals = list(values.values())
+    if len(vals) == 2 and vals[0] is not vals[1]:
+        scales = jnp.stack([jnp.asarray(values[a], jnp.float32) for a in USAGES])
+    else:
+        scales = jnp.asarray(vals[0] if vals else 1.0, jnp.float32).reshape(1)
     seed = P.seed_words(key_words, m, k)
     no = (P.NONE, 0)
     row, col = ids.get(ROWWISE) or no, ids.get(COLUMNWISE) or no
+    want_amax = bool(delayed) and amax_plain is None
+    eps = eps or 0.0
     if poison:  # tests: the unpartitioned call that writes into poisoned buffers
-        rd, rs, cd, cs = P.quantize(x2d, jnp.stack(scales), seed, row, col, poison=True)
+        rd, rs, cd, cs, kamax = P.quantize(x2d, scales, seed, row, col, poison=True, want_amax=want_amax,
+                                           amax_eps=eps)
     else:  # sharding-aware: each shard quantized where it lives
-        outs = iter(PT.quantize(x2d, jnp.stack(scales), seed, row, col))
-        rd = next(outs) if row[0] else None
-        rs = next(outs) if row[0] not in (P.NONE, P.FP8_TENSOR) else None
-        cd = next(outs) if col[0] else None
-        cs = next(outs) if col[0] not in (P.NONE, P.FP8_TENSOR) else None
+        outs = iter(PT.quantize(x2d, scales, seed, row, col, want_amax=want_amax, amax_eps=eps))
+        rd, rs = (next(outs), next(outs)) if row[0] else (None, None)
+        cd, cs = (next(outs), next(outs)) if col[0] else (None, None)
+        kamax = next(outs) if want_amax else None
+    if want_amax:
+        amaxes.update({a: P.canonical_nan(kamax) for a in delayed})
 
     out = {}
     for a, data, sc, shape in ((ROWWISE, rd, rs, (m, k)), (COLUMNWISE, cd, cs, (k, m))):
@@ -128,9 +148,6 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
             sk = None if key is None else jax.random.fold_in(key, USAGES.index(a))
             out[a] = q.quantize_2d(arr, a, key=sk, state=_side_state(quantizer, state, a), amax=amax)
             continue
-        if v[0] == P.FP8_TENSOR:
-            idx = USAGES.index(a)
-            sc = (1.0 / scales[idx]).astype(jnp.float32)
         out[a] = Storage(data=data, scale_inv=sc, amax=amaxes.get(a), quantizer=q, axis=a, shape=shape)
     return out
 

@@ -65,13 +65,13 @@ def _out_dims(fmt: int, opts: int, rows_f: str, cols_f: str, rows_n: int, cols_n
     d_rows = expr(rows_f, rows_n, g_rows, 1, tag + "r")
     data = f"{d_rows} {d_cols}"
     if fmt == P.FP8_TENSOR:
-        return data, None
+        return data, ""  # scale_inv: one per batch element
     s_rows = expr(rows_f, rows_n, g_rows, 128 if fmt == P.FP8_BLOCK_128x128 else 1, tag + "s")
     s_cols = expr(cols_f, cols_n, g_cols, bc, tag + "c")
     return data, f"{s_rows} {s_cols}"
 
 
-def _rule(row, col, m: int, k: int, nbatch: int = 0):
+def _rule(row, col, m: int, k: int, nbatch: int = 0, want_amax: bool = False):
     gm, gk = granularity(row, col)
     sizes, repl = {}, []
     def axis(name, n, g):
@@ -91,10 +91,11 @@ def _rule(row, col, m: int, k: int, nbatch: int = 0):
         if fmt == P.NONE:
             continue
         d, s = _out_dims(fmt, opts, rf, cf, rn, cn, g_r, g_c, sizes, tag)
-        outs += [d] + ([s] if s is not None else [])
+        outs += [d, s]
     # fresh factors of unblockable axes: plain names
     fix = lambda e: " ".join(t.lstrip("_") if t.startswith("_") else t for t in e.split(" "))  # noqa: E731
-    rule = f"{lead}{mx} {kx}, {lead}s, {lead}t -> " + ", ".join(lead + fix(o) for o in outs)
+    results = [(lead + fix(o)).strip() for o in outs] + ([lead.strip()] if want_amax else [])  # amax: per batch
+    rule = f"{lead}{mx} {kx}, {lead}s, {lead}t -> " + ", ".join(results)
     # a factor used only inside compound factors needs its size spelled out
     import re
     bare = re.sub(r"\([^)]*\)", " ", rule).replace(",", " ").replace("->", " ").split()
@@ -108,18 +109,19 @@ def _present(outs):
     return tuple(o for o in outs if o is not None)
 
 
-def _local_quantize(row, col, x, scales, seed):
-    return _present(P.quantize(x, scales, seed, row, col))
+def _local_quantize(row, col, x, scales, seed, want_amax=False, amax_eps=0.0):
+    return _present(P.quantize(x, scales, seed, row, col, want_amax=want_amax, amax_eps=amax_eps))
 
 
-def _specs(row, col, m_axes, k_axes, lead=()):
+def _specs(row, col, m_axes, k_axes, lead=(), want_amax=False):
     specs = []
     for (fmt, _), a, b in ((row, m_axes, k_axes), (col, k_axes, m_axes)):
         if fmt == P.NONE:
             continue
         specs.append(PS(*lead, a, b))
-        if fmt != P.FP8_TENSOR:
-            specs.append(PS(*lead, a, b))
+        specs.append(PS(*lead) if fmt == P.FP8_TENSOR else PS(*lead, a, b))  # scale_inv, or block scales
+    if want_amax:  # reduced over the shards of M and K in the partitioned call
+        specs.append(PS(*lead))
     return specs
 
 
@@ -146,21 +148,23 @@ def _split_spec(spec, nbatch: int) -> tuple:
     return spec[:nbatch], spec[nbatch], spec[nbatch + 1]
 
 
-def quantize(x, scales, seed, row, col):
+def quantize(x, scales, seed, row, col, want_amax: bool = False, amax_eps: float = 0.0):
     """P.quantize for x [..., M, K] under jit with a mesh: each shard quantized in place (leading batch dims,
-    from vmap, may be sharded too); returns the present outputs (row_data, row_scale?, col_data, col_scale?)."""
-    return _batched(lambda nb: _quantize_fn(x.shape[-2:], row, col, nb), x.ndim - 2)(x, scales, seed)
+    from vmap, may be sharded too); returns the present outputs (row_data, row_scale?, col_data, col_scale?,
+    amax?); the amax is the max over every shard, as unsharded."""
+    make = lambda nb: _quantize_fn(x.shape[-2:], row, col, nb, want_amax, amax_eps)  # noqa: E731
+    return _batched(make, x.ndim - 2)(x, scales, seed)
 
 
-def _quantize_fn(shape, row, col, nbatch: int):
+def _quantize_fn(shape, row, col, nbatch: int, want_amax: bool = False, amax_eps: float = 0.0):
     """The custom_partitioning quantize of x [b_1..b_nbatch, M, K]."""
     m, k = shape
-    rule, sizes, repl = _rule(row, col, m, k, nbatch)
+    rule, sizes, repl = _rule(row, col, m, k, nbatch, want_amax)
     gm, gk = granularity(row, col)
 
     @partial(custom_partitioning)
     def f(x, scales, seed):
-        return _local_quantize(row, col, x, scales, seed)
+        return _local_quantize(row, col, x, scales, seed, want_amax, amax_eps)
 
     def axes_of(mesh, spec):
         """The mesh axes x keeps: an axis of M or K whose shards would split blocks (or that is not a whole
@@ -174,20 +178,24 @@ def _quantize_fn(shape, row, col, nbatch: int):
 
     def partition(mesh, arg_shapes, result_shape):
         lead, m_axes, k_axes = axes_of(mesh, arg_shapes[0].sharding.spec)
-        outs = tuple(NamedSharding(mesh, s) for s in _specs(row, col, m_axes, k_axes, lead))
+        outs = tuple(NamedSharding(mesh, s) for s in _specs(row, col, m_axes, k_axes, lead, want_amax))
         per_batch = NamedSharding(mesh, PS(*lead, None))
+        split = tuple(a for s in (m_axes, k_axes) if s is not None for a in (s if isinstance(s, tuple) else (s,)))
         args = (NamedSharding(mesh, PS(*lead, m_axes, k_axes)), per_batch, per_batch)
 
         def lower(x, scales, seed):  # this shard's offsets in x, so stochastic rounding draws global positions
             lm, lk = x.shape[-2:]
             offsets = jnp.stack([_shard_index(mesh, m_axes) * lm, _shard_index(mesh, k_axes) * lk])
             seed = seed.at[..., 2:4].set(offsets.astype(jnp.uint32))
-            return _local_quantize(row, col, x, scales, seed)
+            res = _local_quantize(row, col, x, scales, seed, want_amax, amax_eps)
+            if want_amax and split:
+                res = res[:-1] + (pmax_nan(res[-1], split),)
+            return res
         return mesh, lower, outs, args
 
     def infer(mesh, arg_shapes, result_shape):
         lead, m_axes, k_axes = axes_of(mesh, arg_shapes[0].sharding.spec)
-        return tuple(NamedSharding(mesh, s) for s in _specs(row, col, m_axes, k_axes, lead))
+        return tuple(NamedSharding(mesh, s) for s in _specs(row, col, m_axes, k_axes, lead, want_amax))
 
     f.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
                     need_replication_factors=repl, **sizes)

@@ -3,8 +3,10 @@
 Targets (one handler each on "cpu" and "CUDA"):
   jaxhq_amax(x[..., M, K]) -> (amax[...], amax_rht[...])          per-tensor max |x| (and of RHT(x.T) when rht)
   jaxhq_quantize(x[..., M, K], scales[..., 2], seed[..., 6])
-      -> (row_data, row_scale, col_data, col_scale)                any rowwise format with any columnwise
-                                                                    format, one read of x
+      -> (row_data, row_scale, col_data, col_scale, amax)          any rowwise format with any columnwise
+                                                                    format, one read of x; amax [...] (or
+                                                                    empty, not asked for) is max |x| of
+                                                                    that same read
   jaxhq_dequantize(data, scale, scalar[...]) -> float32[..., R, C]
 Formats and option bits are the enums of csrc/numerics.h (FORMAT_IDS, OPT_* here).
 """
@@ -19,7 +21,7 @@ import numpy as np
 from . import registered_targets
 
 NONE, FP8_TENSOR, MXFP8, NVFP4, FP8_BLOCK_1x128, FP8_BLOCK_128x128 = range(6)
-OPT_E5M2, OPT_POW2, OPT_BLOCK2D, OPT_RHT, OPT_SR = 1, 2, 4, 8, 16
+OPT_E5M2, OPT_POW2, OPT_BLOCK2D, OPT_RHT, OPT_SR, OPT_FROM_AMAX = 1, 2, 4, 8, 16, 32
 _EMPTY = jax.ShapeDtypeStruct((0,), jnp.uint8)
 
 
@@ -34,8 +36,10 @@ def data_shape_dtype(fmt: int, opts: int, rows: int, cols: int, batch=()):
 
 
 def scale_shape_dtype(fmt: int, rows: int, cols: int, batch=()):
-    """Shape and dtype of a copy's per-block scales (None for per-tensor formats)."""
+    """Shape and dtype of a copy's scale output: per-block scales, or a per-tensor copy's scale_inv."""
     cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    if fmt == FP8_TENSOR:
+        return jax.ShapeDtypeStruct(tuple(batch), jnp.float32)
     if fmt == MXFP8:
         return jax.ShapeDtypeStruct((*batch, rows, cdiv(cols, 32)), jnp.float8_e8m0fnu)
     if fmt == NVFP4:
@@ -85,13 +89,19 @@ def seed_words(key_words, m: int, k: int, m0=0, k0=0):
     return jnp.concatenate([jnp.asarray(key_words, jnp.uint32).reshape(2), u(m0), u(k0), u(m), u(k)])
 
 
-def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False):
-    """Both copies of x [..., M, K] in one read: (row_data, row_scale, col_data, col_scale).
+def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False, want_amax: bool = False,
+             amax_eps: float = 0.0):
+    """Both copies of x [..., M, K] in one read: (row_data, row_scale, col_data, col_scale, amax).
 
-    scales [..., 2] float32: the per-tensor scale (FP8) or global encode scale (NVFP4) of each copy.
+    scales [..., 2] float32 (or [..., 1], one for both copies): the per-tensor scale (FP8; with OPT_FROM_AMAX
+    the amax, from which the kernel computes the scale as fp8.scale_from_amax with `amax_eps`) or the global
+    encode scale (NVFP4) of each copy. A per-tensor copy's scale output is its scale_inv [...] float32.
     seed [..., 6] uint32: stochastic-rounding key (2 words), then this shard's offset in the global x (row,
     column) and the global (M, K), see `seed_words`. Absent outputs are None.
     poison: write into outputs first filled with 0xFF bytes (tests: proves every element is written).
+    want_amax: also max |x| per batch element (float32 [...]) from the values the copies read, so a format
+    whose scale is known beforehand (delayed scaling) needs no separate amax pass. It is NaN when any element
+    is NaN, with an unspecified NaN pattern (`canonical_nan` makes it formats.base.abs_max's).
     """
     registered_targets()
     *batch, m, k = x.shape
@@ -100,15 +110,22 @@ def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False
     outs = (data_shape_dtype(rf, ro, m, k, batch), scale_shape_dtype(rf, m, k, batch),
             data_shape_dtype(cf, co, k, m, batch), scale_shape_dtype(cf, k, m, batch))
     outs = tuple(_EMPTY if o is None else o for o in outs)
-    attrs = dict(row_fmt=np.int32(rf), row_opts=np.int32(ro), col_fmt=np.int32(cf), col_opts=np.int32(co))
+    outs += (jax.ShapeDtypeStruct(batch, jnp.float32) if want_amax else _EMPTY,)
+    attrs = dict(row_fmt=np.int32(rf), row_opts=np.int32(ro), col_fmt=np.int32(cf), col_opts=np.int32(co),
+                 amax_eps=np.float32(amax_eps))
     args = (x, scales.astype(jnp.float32), seed.astype(jnp.uint32))
     if poison:
         call = jax.ffi.ffi_call("jaxhq_quantize_into", outs, vmap_method="broadcast_all",
                                 input_output_aliases={3: 0, 4: 1, 5: 2, 6: 3})
-        res = call(*args, *(poison_like(o) for o in outs), **attrs)
+        res = call(*args, *(poison_like(o) for o in outs[:4]), **attrs)
     else:
         res = jax.ffi.ffi_call("jaxhq_quantize", outs, vmap_method="broadcast_all")(*args, **attrs)
     return tuple(None if o is _EMPTY else r for o, r in zip(outs, res))
+
+
+def canonical_nan(amax):
+    """The kernel's amax with any NaN made the canonical one (formats.base.abs_max gives that one)."""
+    return jnp.where(jnp.isnan(amax), jnp.float32(jnp.nan), amax)
 
 
 def dequantize(data, scale, scalar, fmt: int, opts: int, shape):

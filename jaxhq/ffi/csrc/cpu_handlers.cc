@@ -15,10 +15,12 @@ static ffi::Error cpu_amax(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> 
 
 static ffi::Error cpu_quantize(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::U32> seed,
                                ffi::Result<ffi::AnyBuffer> rd, ffi::Result<ffi::AnyBuffer> rs,
-                               ffi::Result<ffi::AnyBuffer> cd, ffi::Result<ffi::AnyBuffer> cs, int32_t row_fmt,
-                               int32_t row_opts, int32_t col_fmt, int32_t col_opts) {
+                               ffi::Result<ffi::AnyBuffer> cd, ffi::Result<ffi::AnyBuffer> cs,
+                               ffi::Result<ffi::AnyBuffer> amax, int32_t row_fmt,
+                               int32_t row_opts, int32_t col_fmt, int32_t col_opts, float amax_eps) {
   QuantizeArgs a;
-  if (auto e = make_quantize_args(x, scales, seed, rd, rs, cd, cs, row_fmt, row_opts, col_fmt, col_opts, &a);
+  if (auto e = make_quantize_args(x, scales, seed, rd, rs, cd, cs, amax, row_fmt, row_opts, col_fmt, col_opts,
+                                  amax_eps, &a);
       e.failure())
     return e;
   quantize_cpu(a);
@@ -33,14 +35,15 @@ static ffi::Error cpu_dequantize(ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi:
   return ffi::Error::Success();
 }
 
-// The same quantize writing into buffers the caller provides (aliased inputs 3..6 = outputs 0..3): tests
-// poison them first to prove every output element is written.
+// The same quantize writing into buffers the caller provides (aliased inputs 3..6 = outputs 0..3; the
+// amax output is not aliased): tests poison them first to prove every output element is written.
 static ffi::Error cpu_quantize_into(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::U32> seed,
                                ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
                                ffi::Result<ffi::AnyBuffer> rd, ffi::Result<ffi::AnyBuffer> rs,
-                               ffi::Result<ffi::AnyBuffer> cd, ffi::Result<ffi::AnyBuffer> cs, int32_t row_fmt,
-                               int32_t row_opts, int32_t col_fmt, int32_t col_opts) {
-  return cpu_quantize(x, scales, seed, rd, rs, cd, cs, row_fmt, row_opts, col_fmt, col_opts);
+                               ffi::Result<ffi::AnyBuffer> cd, ffi::Result<ffi::AnyBuffer> cs,
+                               ffi::Result<ffi::AnyBuffer> amax, int32_t row_fmt,
+                               int32_t row_opts, int32_t col_fmt, int32_t col_opts, float amax_eps) {
+  return cpu_quantize(x, scales, seed, rd, rs, cd, cs, amax, row_fmt, row_opts, col_fmt, col_opts, amax_eps);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cpu_amax, cpu_amax, bind_amax(ffi::Ffi::Bind()));

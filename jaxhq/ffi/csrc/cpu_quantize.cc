@@ -130,8 +130,18 @@ void one_copy(const View& v, const CopySpec& s, float scale, const uint32_t* see
 CopySpec offset(const CopySpec& s, int64_t b, int64_t r, int64_t c) {
   CopySpec o = s;
   if (s.data) o.data = static_cast<uint8_t*>(s.data) + b * data_bytes(s.fmt, r, c);
-  if (s.scale) o.scale = static_cast<uint8_t*>(s.scale) + b * scale_bytes(s.fmt, r, c);
+  if (s.scale) o.scale = static_cast<uint8_t*>(s.scale) + b * quantize_scale_bytes(s.fmt, r, c);
   return o;
+}
+
+// The per-tensor scale (kFromAmax: from the amax given, fp8.scale_from_amax) or NVFP4 global encode of a copy;
+// a per-tensor copy also records scale_inv = 1 / scale.
+float copy_scalar(const QuantizeArgs& a, const CopySpec& s, int64_t b, int side) {
+  float v = side_scalar(a.scales, a.scales_per_batch, b, side);
+  if (s.fmt != kFp8Tensor) return v;
+  if (s.opts & kFromAmax) v = tensor_scale(v, (s.opts & kE5M2) ? 57344.0f : 448.0f, a.amax_eps, s.opts & kPow2);
+  *static_cast<float*>(s.scale) = div_ref(1.0f, v);
+  return v;
 }
 
 }  // namespace
@@ -141,10 +151,20 @@ void quantize_cpu(const QuantizeArgs& a) {
   const int64_t esize = a.dtype == kF32 ? 4 : 2;
   for (int64_t b = 0; b < a.batch; ++b) {
     const void* xb = static_cast<const uint8_t*>(a.x) + b * M * K * esize;
-    const float* sc = a.scales + 2 * b;
     const uint32_t* seed = a.seed + kSeedWords * b;
-    if (a.row.fmt) one_copy(View{xb, a.dtype, M, K, K, 1}, offset(a.row, b, M, K), sc[0], seed, 0);
-    if (a.col.fmt) one_copy(View{xb, a.dtype, K, M, 1, K}, offset(a.col, b, K, M), sc[1], seed, 1);
+    if (a.row.fmt) {
+      const CopySpec s = offset(a.row, b, M, K);
+      one_copy(View{xb, a.dtype, M, K, K, 1}, s, copy_scalar(a, s, b, 0), seed, 0);
+    }
+    if (a.col.fmt) {
+      const CopySpec s = offset(a.col, b, K, M);
+      one_copy(View{xb, a.dtype, K, M, 1, K}, s, copy_scalar(a, s, b, 1), seed, 1);
+    }
+  }
+  if (a.amax) {
+    float unused = 0.0f;
+    for (int64_t b = 0; b < a.batch; ++b)
+      amax_cpu(static_cast<const uint8_t*>(a.x) + b * M * K * esize, a.dtype, 1, M, K, false, a.amax + b, &unused);
   }
 }
 

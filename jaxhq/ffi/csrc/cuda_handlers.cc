@@ -25,10 +25,11 @@ static ffi::Error cuda_amax(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<f
 static ffi::Error cuda_quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales,
                                 ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> rd,
                                 ffi::Result<ffi::AnyBuffer> rs, ffi::Result<ffi::AnyBuffer> cd,
-                                ffi::Result<ffi::AnyBuffer> cs, int32_t row_fmt, int32_t row_opts, int32_t col_fmt,
-                                int32_t col_opts) {
+                                ffi::Result<ffi::AnyBuffer> cs, ffi::Result<ffi::AnyBuffer> amax, int32_t row_fmt,
+                                int32_t row_opts, int32_t col_fmt, int32_t col_opts, float amax_eps) {
   QuantizeArgs a;
-  if (auto e = make_quantize_args(x, scales, seed, rd, rs, cd, cs, row_fmt, row_opts, col_fmt, col_opts, &a);
+  if (auto e = make_quantize_args(x, scales, seed, rd, rs, cd, cs, amax, row_fmt, row_opts, col_fmt, col_opts,
+                                  amax_eps, &a);
       e.failure())
     return e;
   return status(launch_quantize(a, stream), "quantize");
@@ -42,14 +43,15 @@ static ffi::Error cuda_dequantize(cudaStream_t stream, ffi::AnyBuffer data, ffi:
   return status(launch_dequantize(a, stream), "dequantize");
 }
 
-// The same quantize writing into buffers the caller provides (aliased inputs 3..6 = outputs 0..3): tests
-// poison them first to prove every output element is written.
+// The same quantize writing into buffers the caller provides (aliased inputs 3..6 = outputs 0..3; the
+// amax output is not aliased): tests poison them first to prove every output element is written.
 static ffi::Error cuda_quantize_into(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::U32> seed,
                                ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
                                ffi::Result<ffi::AnyBuffer> rd, ffi::Result<ffi::AnyBuffer> rs,
-                               ffi::Result<ffi::AnyBuffer> cd, ffi::Result<ffi::AnyBuffer> cs, int32_t row_fmt,
-                               int32_t row_opts, int32_t col_fmt, int32_t col_opts) {
-  return cuda_quantize(stream, x, scales, seed, rd, rs, cd, cs, row_fmt, row_opts, col_fmt, col_opts);
+                               ffi::Result<ffi::AnyBuffer> cd, ffi::Result<ffi::AnyBuffer> cs,
+                               ffi::Result<ffi::AnyBuffer> amax, int32_t row_fmt,
+                               int32_t row_opts, int32_t col_fmt, int32_t col_opts, float amax_eps) {
+  return cuda_quantize(stream, x, scales, seed, rd, rs, cd, cs, amax, row_fmt, row_opts, col_fmt, col_opts, amax_eps);
 }
 
 static auto cuda_bind() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }

@@ -28,6 +28,7 @@ struct Smem {
   float camax[2][kTile * kChunks];  // [side][copy_row * 8 + chunk]
   uint32_t bamax[2][kTile / 16 * kChunks];  // NVFP4 16x16 blocks: [side][copy_row / 16 * 8 + chunk], |v| bits
   float tamax[2];
+  unsigned xamax[kThreads / 32];  // per-warp max |x| (the amax output)
 };
 
 // 8 consecutive elements of x (row r, columns c..c+7 of the tile) as raw bytes, zero outside x; one 16-byte
@@ -119,8 +120,17 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
   Smem<T>& sm = *dynamic_smem<Smem<T>>();
   const int64_t b = blockIdx.z;
   const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
+  const float ts[2] = {copy_scalar(p, 0, b), copy_scalar(p, 1, b)};
+  write_scale_inv(p, b, ts);
   load_tile<T, kBatched>(static_cast<const T*>(p.x) + b * p.m * p.k, p.m, p.k, r0, c0, sm.tile);
   __syncthreads();
+  if (p.amax) {  // max |x| of the tile (zeros outside x), reduced after the next barrier
+    constexpr int kStride = Smem<T>::kStride;
+    float a = 0.0f;
+    for (int i = threadIdx.x; i < kTile * kTile; i += kThreads)
+      a = amax_acc(a, to_f32(sm.tile[(i / kTile) * kStride + i % kTile]));
+    cta_amax_partial(f2u(a), sm.xamax);
+  }
 
   // Phase A: chunk amaxes for the formats whose blocks span several chunks (a 1x16 NVFP4 block is one chunk:
   // phase B takes its amax from the values it encodes, reading and transforming them once).
@@ -159,6 +169,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
       if (threadIdx.x == 0) sm.tamax[s] = a;
     }
   }
+  if (p.amax) cta_amax_finish(sm.xamax, kThreads / 32, p.amax + b);
   if (threadIdx.x >= kThreads / 2) {
     const int s = (threadIdx.x - kThreads / 2) / 64, j = threadIdx.x % 64, rb = j / kChunks, ch = j % kChunks;
     if (p.side[s].fmt == kNvfp4 && (p.side[s].opts & kBlock2D)) {
@@ -200,7 +211,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
       } else if (sp.fmt == kFp8Block2) {
         a = sm.tamax[s];
       }
-      encode_chunk<16, T>(p, s, b, gr, gc, a, v);
+      encode_chunk<16, T>(p, s, b, gr, gc, a, ts[s], v);
     }
   }
 }
@@ -239,6 +250,7 @@ std::string launch_quantize(const QuantizeArgs& a, void* stream, int variant) {
   if (a.m * a.k * a.batch == 0) return std::string();
   const Params p = make_params(a);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (a.amax) cudaMemsetAsync(a.amax, 0, sizeof(float) * a.batch, s);
   if (variant == kRegisterTile && register_tile_takes(a)) return launch_register_tile(p, a.dtype, a.batch, s);
   switch (a.dtype) {
     case kBF16: return launch_t<__nv_bfloat16>(p, a.batch, s, variant);

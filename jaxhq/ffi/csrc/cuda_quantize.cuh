@@ -21,8 +21,11 @@ struct Params {
   const void* x;
   int64_t m, k;
   const float* scales;
+  int32_t per_batch;   // scales per batch element: 2 (one per copy) or 1 (shared)
+  float amax_eps;
   const uint32_t* seed;
   SideParams side[2];  // 0: rowwise [m, k], 1: columnwise [k, m]
+  unsigned* amax;      // [batch] or null: max |x| as float bits (zeroed before the launch; one atomic per CTA)
 };
 
 inline Params make_params(const QuantizeArgs& a) {
@@ -31,13 +34,16 @@ inline Params make_params(const QuantizeArgs& a) {
   p.m = a.m;
   p.k = a.k;
   p.scales = a.scales;
+  p.per_batch = a.scales_per_batch;
+  p.amax_eps = a.amax_eps;
   p.seed = a.seed;
+  p.amax = reinterpret_cast<unsigned*>(a.amax);
   const CopySpec* cs[2] = {&a.row, &a.col};
   for (int s = 0; s < 2; ++s) {
     const int64_t R = s == 0 ? a.m : a.k, C = s == 0 ? a.k : a.m;
     p.side[s] = SideParams{cs[s]->fmt, cs[s]->opts, static_cast<uint8_t*>(cs[s]->data),
                            static_cast<uint8_t*>(cs[s]->scale), R, C, data_bytes(cs[s]->fmt, R, C),
-                           scale_bytes(cs[s]->fmt, R, C)};
+                           quantize_scale_bytes(cs[s]->fmt, R, C)};
   }
   return p;
 }
@@ -110,17 +116,34 @@ __device__ __forceinline__ void store_bytes(uint8_t* dst, const uint8_t (&out)[N
   }
 }
 
-// Side s's copy: N values (16 or 8) of copy row gr from column gc, their block's amax given (block formats),
-// encoded and stored; the chunk that starts a block also writes the block's scale. Both kernels call this,
+// The scalar copy s of batch element b uses: the FP8 per-tensor scale (with kFromAmax, computed here from the
+// amax given, as fp8.scale_from_amax does) or the NVFP4 global encode. Kernels take both once per thread.
+__device__ __forceinline__ float copy_scalar(const Params& p, int s, int64_t b) {
+  const SideParams& sp = p.side[s];
+  const float v = side_scalar(p.scales, p.per_batch, b, s);
+  if (sp.fmt != kFp8Tensor || !(sp.opts & kFromAmax)) return v;
+  return tensor_scale(v, (sp.opts & kE5M2) ? 57344.0f : 448.0f, p.amax_eps, sp.opts & kPow2);
+}
+
+// The first thread of the grid's first tile writes each per-tensor copy's scale_inv = 1 / scale.
+__device__ __forceinline__ void write_scale_inv(const Params& p, int64_t b, const float (&ts)[2]) {
+  if (blockIdx.x != 0 || blockIdx.y != 0 || threadIdx.x != 0) return;
+#pragma unroll
+  for (int s = 0; s < 2; ++s)
+    if (p.side[s].fmt == kFp8Tensor)
+      *reinterpret_cast<float*>(p.side[s].scale + b * p.side[s].sbytes) = div_ref(1.0f, ts[s]);
+}
+
+// Side s's copy: N values (16 or 8) of copy row gr from column gc, their block's amax given (block formats) and
+// the copy's scalar (copy_scalar), encoded and stored; the chunk that starts a block also writes the block's scale. Both kernels call this,
 // so the numerics (numerics.h, as the CPU handlers) and the layouts are written once.
 template <int N, typename T>
 __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, int64_t gr, int64_t gc, float amax,
-                                             const float (&v)[N]) {
+                                             float tscale, const float (&v)[N]) {
   const SideParams& sp = p.side[s];
   const int64_t C = sp.C;
   uint8_t* data = sp.data + b * sp.dbytes;
   uint8_t* scale = sp.scale + b * sp.sbytes;
-  const float tscale = p.scales[2 * b + s];
   if (sp.fmt == kNvfp4) {
     const uint8_t sbyte = nvfp4_scale_byte(amax, tscale);  // the scale's E4M3 byte; dec is its value
     const float dec = e4m3_value(sbyte);
@@ -153,6 +176,24 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
     memcpy(out + 2 * i, &pair, 2);
   }
   store_bytes(data + gr * C + gc, out, C - gc, C % N == 0);
+}
+
+// The CTA's max |x| into the batch element's amax: `bits` is this thread's partial as non-negative float bits
+// (which order as uints, NaN patterns above inf); one atomic per CTA. Call it from every thread between two
+// __syncthreads of the kernel, with `slot` a kThreads / 32 word shared array, and `finish` after the second.
+__device__ __forceinline__ void cta_amax_partial(unsigned bits, unsigned* slot) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned other = __shfl_xor_sync(0xffffffffu, bits, o);
+    bits = other > bits ? other : bits;
+  }
+  if ((threadIdx.x & 31) == 0) slot[threadIdx.x / 32] = bits;
+}
+__device__ __forceinline__ void cta_amax_finish(const unsigned* slot, int warps, unsigned* amax) {
+  if (threadIdx.x != 0) return;
+  unsigned m = 0u;
+  for (int w = 0; w < warps; ++w) m = slot[w] > m ? slot[w] : m;
+  atomicMax(amax, m);
 }
 
 // The register-tile kernel (cuda_quantize_regs.cu): 16-bit inputs, FP8 formats (register_tile_takes).

@@ -22,6 +22,7 @@ struct RegSmem {
   uint32_t part[2][kTile * kPart];  // [side][copy row * kPart + 8-element group]: max |x| pattern
   uint32_t full[2][kTile];          // [side][copy row]: over the tile's 128 columns (1x128 blocks)
   uint32_t tile;                    // over the tile (128x128 blocks)
+  unsigned xamax[kThreads / 32];    // per-warp max |x| (the amax output)
 };
 
 // The float value of 16 input bits (sign included).
@@ -87,9 +88,11 @@ __global__ void __launch_bounds__(kThreads) quantize_regs_kernel(Params p) {
 
   uint32_t w[8][4];
   load_block<T>(x, p.m, p.k, r0 + 8 * rg, c0 + 8 * cg, vec, w);
+  const float ts[2] = {copy_scalar(p, 0, b), copy_scalar(p, 1, b)};
+  write_scale_inv(p, b, ts);
 
   // Per-thread partials: max |x| of each of its 8 rows (over 8 columns) and 8 columns (over 8 rows).
-  uint32_t colw[4] = {0u, 0u, 0u, 0u};
+  uint32_t colw[4] = {0u, 0u, 0u, 0u}, xm = 0u;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     uint32_t rw = 0u;
@@ -100,11 +103,14 @@ __global__ void __launch_bounds__(kThreads) quantize_regs_kernel(Params p) {
       colw[i] = vmax2(colw[i], a);
     }
     sm.part[0][(8 * rg + j) * kPart + cg] = max_halves(rw);
+    xm = maxu(xm, max_halves(rw));
   }
 #pragma unroll
   for (int i = 0; i < 8; ++i) sm.part[1][(8 * cg + i) * kPart + rg] = half_of(colw[i / 2], i % 2);
   if (threadIdx.x == 0) sm.tile = 0u;
+  if (p.amax) cta_amax_partial(f2u(bits_to_f32<T>(xm)), sm.xamax);  // the 16-bit |x| pattern as float bits
   __syncthreads();
+  if (p.amax) cta_amax_finish(sm.xamax, kThreads / 32, p.amax + b);
 
   // 1x128 and 128x128 blocks need the whole tile row / the whole tile.
   const int f0 = p.side[0].fmt, f1 = p.side[1].fmt;
@@ -142,7 +148,7 @@ __global__ void __launch_bounds__(kThreads) quantize_regs_kernel(Params p) {
       } else if (sp.fmt == kFp8Block2) {
         a = sm.tile;
       }
-      encode_chunk<8, T>(p, s, b, gr, gc, bits_to_f32<T>(a), v);
+      encode_chunk<8, T>(p, s, b, gr, gc, bits_to_f32<T>(a), ts[s], v);
     }
   }
 }

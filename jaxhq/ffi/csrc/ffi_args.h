@@ -53,22 +53,31 @@ inline ffi::Error make_amax_args(const ffi::AnyBuffer& x, int32_t rht, AmaxArgs*
 inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& scales,
                                      const ffi::Buffer<ffi::U32>& seed, ffi::Result<ffi::AnyBuffer>& rd,
                                      ffi::Result<ffi::AnyBuffer>& rs, ffi::Result<ffi::AnyBuffer>& cd,
-                                     ffi::Result<ffi::AnyBuffer>& cs, int32_t row_fmt, int32_t row_opts,
-                                     int32_t col_fmt, int32_t col_opts, QuantizeArgs* a) {
+                                     ffi::Result<ffi::AnyBuffer>& cs, ffi::Result<ffi::AnyBuffer>& amax,
+                                     int32_t row_fmt, int32_t row_opts, int32_t col_fmt, int32_t col_opts,
+                                     float amax_eps, QuantizeArgs* a) {
   if (auto e = in_dtype(x.element_type(), &a->dtype); e.failure()) return e;
   if (auto e = split_dims(x, &a->batch, &a->m, &a->k); e.failure()) return e;
   if (row_fmt < 0 || row_fmt > 5 || col_fmt < 0 || col_fmt > 5)
     return ffi::Error::InvalidArgument("jaxhq quantize: unknown format id");
   if ((col_fmt == kNvfp4 && (col_opts & kRHT) && a->m % 16) || (row_fmt == kNvfp4 && (row_opts & kRHT) && a->k % 16))
     return ffi::Error::InvalidArgument("jaxhq quantize: RHT needs the transformed axis to be a multiple of 16");
-  if (int64_t(scales.element_count()) != 2 * a->batch ||
-      int64_t(seed.element_count()) != kSeedWords * a->batch)
-    return ffi::Error::InvalidArgument("jaxhq quantize: scales must be [batch, 2] and seed [batch, 6]");
+  const int64_t ns = int64_t(scales.element_count());
+  if ((ns != 2 * a->batch && ns != a->batch) || int64_t(seed.element_count()) != kSeedWords * a->batch)
+    return ffi::Error::InvalidArgument("jaxhq quantize: scales must be [batch, 2] or [batch, 1] and seed [batch, 6]");
+  a->scales_per_batch = a->batch > 0 ? int32_t(ns / a->batch) : 2;
+  a->amax_eps = amax_eps;
   const int64_t B = a->batch, M = a->m, K = a->k;
   if (auto e = check_bytes("row data", *rd, B * data_bytes(row_fmt, M, K)); e.failure()) return e;
-  if (auto e = check_bytes("row scale", *rs, B * scale_bytes(row_fmt, M, K)); e.failure()) return e;
+  if (auto e = check_bytes("row scale", *rs, B * quantize_scale_bytes(row_fmt, M, K)); e.failure()) return e;
   if (auto e = check_bytes("col data", *cd, B * data_bytes(col_fmt, K, M)); e.failure()) return e;
-  if (auto e = check_bytes("col scale", *cs, B * scale_bytes(col_fmt, K, M)); e.failure()) return e;
+  if (auto e = check_bytes("col scale", *cs, B * quantize_scale_bytes(col_fmt, K, M)); e.failure()) return e;
+  // the amax output: empty (not asked for) or float32 [batch]
+  if (amax->size_bytes() != 0) {
+    if (amax->element_type() != ffi::DataType::F32 || int64_t(amax->element_count()) != B)
+      return ffi::Error::InvalidArgument("jaxhq quantize: the amax output must be empty or float32 [batch]");
+    a->amax = static_cast<float*>(amax->untyped_data());
+  }
   a->x = x.untyped_data();
   a->scales = scales.typed_data();
   a->seed = seed.typed_data();
@@ -111,15 +120,17 @@ auto bind_amax(B&& b) {
 }
 
 template <typename B>
-auto bind_quantize_outputs(B&& b) {  // row data, row scale, col data, col scale and the four format attributes
+auto bind_quantize_outputs(B&& b) {  // row data, row scale, col data, col scale, amax; the format attributes
   return std::move(b).template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::AnyBuffer>()
       .template Attr<int32_t>("row_fmt")
       .template Attr<int32_t>("row_opts")
       .template Attr<int32_t>("col_fmt")
-      .template Attr<int32_t>("col_opts");
+      .template Attr<int32_t>("col_opts")
+      .template Attr<float>("amax_eps");
 }
 
 template <typename B>

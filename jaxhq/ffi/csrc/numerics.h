@@ -21,7 +21,7 @@ namespace jaxhq {
 // Format ids, shared with jaxhq/ffi/primitives.py (FORMAT_IDS).
 enum Format : int32_t {
   kNone = 0,        // this copy is not produced
-  kFp8Tensor = 1,   // FP8 per-tensor: scale given as an input scalar
+  kFp8Tensor = 1,   // FP8 per-tensor: scale given as an input scalar, or computed from the amax given
   kMxfp8 = 2,       // 1x32, E8M0 scale
   kNvfp4 = 3,       // 1x16 (or 16x16), E4M3 scale, global encode scale given as an input scalar
   kFp8Block1 = 4,   // 1x128, fp32 scale_inv
@@ -34,6 +34,7 @@ enum Option : int32_t {
   kBlock2D = 4,     // NVFP4: 16x16 tiles
   kRHT = 8,         // NVFP4: random Hadamard transform along the copy's last axis
   kStochastic = 16, // NVFP4: stochastic rounding
+  kFromAmax = 32,   // FP8 per-tensor: the input scalar is the amax; the scale is tensor_scale of it
 };
 enum InDtype : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
@@ -151,14 +152,17 @@ JHQ_HD float e8m0_to_f32(uint8_t e) {
 // casts.pow2_floor
 JHQ_HD float pow2_floor(float x) { return u2f(f2u(x) & 0xFF800000u); }
 
-// fp8.scale_from_amax with eps = 0 (FP8 blockwise).
-JHQ_HD float block_scale(float amax, bool pow2) {
-  float a = nmax(amax, 0.0f);
-  float s = (a == 0.0f) ? 1.0f : div_ref(448.0f, a);
+// fp8.scale_from_amax: fmt_max / max(amax, eps) (1 when that is 0; NaN for a NaN amax), optionally rounded
+// down to a power of 2.
+JHQ_HD float tensor_scale(float amax, float fmt_max, float eps, bool pow2) {
+  float a = nmax(amax, eps);
+  float s = (a == 0.0f) ? 1.0f : div_ref(fmt_max, a);
   if (is_nan(amax)) s = NAN;
   if (pow2 && !is_nan(s) && !is_inf(s) && s > 0.0f) s = pow2_floor(s);
   return s;
 }
+// The FP8 blockwise scale (E4M3, eps = 0).
+JHQ_HD float block_scale(float amax, bool pow2) { return tensor_scale(amax, 448.0f, 0.0f, pow2); }
 
 // casts.e2m1_codes (magnitude thresholds, round to nearest even, saturating; NaN -> 0 | sign).
 JHQ_HD uint8_t e2m1_code(float y) {

@@ -14,16 +14,21 @@ struct CopySpec {
   int32_t fmt = 0;       // Format
   int32_t opts = 0;      // Option bits
   void* data = nullptr;  // fp8 [R, C] or packed fp4 [R, ceil(C/2)]
-  void* scale = nullptr; // per-block scales (layout per format); unused for kFp8Tensor
+  void* scale = nullptr; // per-block scales (layout per format); kFp8Tensor: the f32 scale_inv
 };
 
 struct QuantizeArgs {
   const void* x = nullptr;       // [batch, M, K] in `dtype`
   int32_t dtype = 0;             // InDtype
   int64_t batch = 1, m = 0, k = 0;
-  const float* scales = nullptr; // [batch, 2]: per-tensor scale or NVFP4 global encode, rowwise then columnwise
+  const float* scales = nullptr; // [batch, 2] (rowwise, columnwise) or [batch, 1] (one for both): the per-tensor
+                                 // scale (kFromAmax: the amax) or the NVFP4 global encode
+  int32_t scales_per_batch = 2;  // 2 or 1, as above
+  float amax_eps = 0.0f;         // kFromAmax: the eps of tensor_scale
   const uint32_t* seed = nullptr;// [batch, kSeedWords], see below
   CopySpec row, col;             // rowwise copy [M, K]; columnwise copy [K, M]
+  float* amax = nullptr;         // [batch] or null: max |x| of each batch element, taken from the values read
+                                 // for the copies (NaN when any is NaN; which NaN is unspecified)
 };
 
 // Seed words per batch element: the stochastic-rounding key (2 words), this shard's offset in the global x
@@ -38,7 +43,13 @@ JHQ_SPEC_HD inline SrIndex sr_index(const uint32_t* seed, int side) {
   return side == 0 ? SrIndex{seed[2], seed[3], seed[5]} : SrIndex{seed[3], seed[2], seed[4]};
 }
 
-// Bytes per batch element of each output, for a copy of shape [R, C].
+// The value copy `side` of batch element b reads from `scales`.
+JHQ_SPEC_HD inline float side_scalar(const float* scales, int32_t per_batch, int64_t b, int side) {
+  return scales[per_batch * b + (per_batch == 2 ? side : 0)];
+}
+
+// Bytes per batch element of each output, for a copy of shape [R, C]; the quantize kernel's scale output of a
+// per-tensor copy is its f32 scale_inv (quantize_scale_bytes), the dequantize kernel reads none.
 JHQ_SPEC_HD inline int64_t data_bytes(int32_t fmt, int64_t r, int64_t c) {
   if (fmt == 0) return 0;
   return fmt == 3 ? r * ((c + 1) / 2) : r * c;
@@ -51,6 +62,9 @@ JHQ_SPEC_HD inline int64_t scale_bytes(int32_t fmt, int64_t r, int64_t c) {
     case 5: return 4 * ((r + 127) / 128) * ((c + 127) / 128);
     default: return 0;
   }
+}
+JHQ_SPEC_HD inline int64_t quantize_scale_bytes(int32_t fmt, int64_t r, int64_t c) {
+  return fmt == 1 ? 4 : scale_bytes(fmt, r, c);
 }
 
 }  // namespace jaxhq
