@@ -192,7 +192,7 @@ def test_quantize_kernel_matches_cpu_code(emu, q, shape, dtype_id, batch):
                                        f"first {bad[:5]}")
 
 
-@pytest.mark.parametrize("shape", [(1, 7), (300, 17), (257, 385), (64, 96)])
+@pytest.mark.parametrize("shape", [(1, 7), (300, 17), (257, 385), (64, 96), (300, 520), (528, 264)])
 @pytest.mark.parametrize("dtype_id", list(DTYPES))
 def test_amax_kernel_matches_cpu_code(emu, shape, dtype_id):
     rht = shape[0] % 16 == 0

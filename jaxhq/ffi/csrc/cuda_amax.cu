@@ -1,5 +1,11 @@
 // Per-tensor amax: max |x| over [M, K] (and, for NVFP4 with RHT, max |RHT(x.T)| over 16-row groups of each
 // column) in one read. Atomic max on the float bits (non-negative floats, NaN included, order as uints).
+//
+// 16-bit inputs whose rows are 16-byte aligned (K % 8 == 0) take the vector kernel: a thread owns 8 adjacent
+// columns and reads a 16-row group of them as sixteen 16-byte loads issued together (a warp reads 512
+// contiguous bytes per row); its plain amax is the integer max of the 16-bit |x| patterns (which orders as the
+// values do, NaN patterns above inf), and each of its 8 columns' 16 values is transformed in registers for the
+// RHT amax. Other inputs take the scalar kernel (a thread per column).
 #include "cuda_common.cuh"
 #include "cuda_launch.h"
 
@@ -47,6 +53,81 @@ __global__ void amax_kernel(const T* __restrict__ x, int64_t m, int64_t k, bool 
   }
 }
 
+template <typename T> __device__ __forceinline__ float half_bits_f32(uint32_t h);
+template <> __device__ __forceinline__ float half_bits_f32<__nv_bfloat16>(uint32_t h) {
+  return bf16_bits_to_f32(uint16_t(h));
+}
+template <> __device__ __forceinline__ float half_bits_f32<__half>(uint32_t h) { return f16_bits_to_f32(uint16_t(h)); }
+__device__ __forceinline__ uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
+// The 16-bit kernel: CTA = 8 warps over 256 columns (32 threads x 8) and kRowsPerBlock rows (warp w takes the
+// 16-row groups w, w + 8, ...).
+template <typename T>
+__global__ void amax_vec_kernel(const T* __restrict__ x, int64_t m, int64_t k, bool rht, float* amax,
+                                float* amax_rht) {
+  const int64_t b = blockIdx.z;
+  x += b * m * k;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t c = (int64_t(blockIdx.x) * 32 + lane) * 8;  // this thread's first column
+  const int64_t r0 = int64_t(blockIdx.y) * kRowsPerBlock;
+  uint32_t a = 0u;  // max |x| pattern (16 bits)
+  float ar = 0.0f;
+  if (c < k) {
+    for (int64_t g = r0 + 16 * warp; g < r0 + kRowsPerBlock && g < m; g += 16 * (kThreads / 32)) {
+      uint4 q[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+        q[i] = g + i < m ? __ldg(reinterpret_cast<const uint4*>(x + (g + i) * k + c)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const uint32_t w = (q[i].x & 0x7FFF7FFFu), w1 = (q[i].y & 0x7FFF7FFFu), w2 = (q[i].z & 0x7FFF7FFFu),
+                       w3 = (q[i].w & 0x7FFF7FFFu);
+        const uint32_t hi = umax(umax(w >> 16, w1 >> 16), umax(w2 >> 16, w3 >> 16));
+        const uint32_t lo = umax(umax(w & 0xFFFFu, w1 & 0xFFFFu), umax(w2 & 0xFFFFu, w3 & 0xFFFFu));
+        a = umax(a, umax(hi, lo));
+      }
+      if (rht && g + 16 <= m) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {  // column c + j: half j % 2 of word j / 2 of each row's load
+          float v[16];
+#pragma unroll
+          for (int i = 0; i < 16; ++i) {
+            const uint32_t word = j / 2 == 0 ? q[i].x : j / 2 == 1 ? q[i].y : j / 2 == 2 ? q[i].z : q[i].w;
+            v[i] = half_bits_f32<T>(j % 2 ? word >> 16 : word & 0xFFFFu);
+          }
+          rht16(v);
+#pragma unroll
+          for (int i = 0; i < 16; ++i) ar = amax_acc(ar, v[i]);
+        }
+      }
+    }
+  }
+  const float af = half_bits_f32<T>(a);
+  __shared__ float sa[2][kThreads / 32];
+  const float wa = warp_nmax(af), war = warp_nmax(ar);
+  if (lane == 0) {
+    sa[0][warp] = wa;
+    sa[1][warp] = war;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float t = sa[0][0], tr = sa[1][0];
+    for (int w = 1; w < kThreads / 32; ++w) {
+      t = nmax(t, sa[0][w]);
+      tr = nmax(tr, sa[1][w]);
+    }
+    atomicMax(reinterpret_cast<unsigned int*>(amax + b), f2u(t));
+    if (rht) atomicMax(reinterpret_cast<unsigned int*>(amax_rht + b), f2u(tr));
+  }
+}
+
+template <typename T>
+void launch_vec(const void* x, int64_t batch, int64_t m, int64_t k, bool rht, float* amax, float* amax_rht,
+                cudaStream_t s) {
+  dim3 grid(unsigned((k + 255) / 256), unsigned((m + kRowsPerBlock - 1) / kRowsPerBlock), unsigned(batch));
+  launch_kernel(amax_vec_kernel<T>, grid, dim3(kThreads), 0, s, static_cast<const T*>(x), m, k, rht, amax, amax_rht);
+}
+
 }  // namespace
 
 std::string launch_amax(const void* x, int32_t dtype, int64_t batch, int64_t m, int64_t k, bool rht, float* amax,
@@ -54,7 +135,12 @@ std::string launch_amax(const void* x, int32_t dtype, int64_t batch, int64_t m, 
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaMemsetAsync(amax, 0, sizeof(float) * batch, s);
   cudaMemsetAsync(amax_rht, 0, sizeof(float) * batch, s);
-  if (m * k > 0) {
+  const bool vec = (dtype == kBF16 || dtype == kF16) && k % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  if (m * k > 0 && vec) {
+    if (dtype == kBF16) launch_vec<__nv_bfloat16>(x, batch, m, k, rht, amax, amax_rht, s);
+    else launch_vec<__half>(x, batch, m, k, rht, amax, amax_rht, s);
+  } else if (m * k > 0) {
     dim3 grid(unsigned((k + kThreads - 1) / kThreads), unsigned((m + kRowsPerBlock - 1) / kRowsPerBlock),
               unsigned(batch));
     const dim3 block(kThreads);
