@@ -16,7 +16,7 @@ import tempfile
 
 import jax
 
-from jaxhq.formats.quantize import QUANTIZE_SCOPE
+from jaxhq.formats.quantize import QUANTIZE_SCOPE, STATE_SCOPE
 
 CATEGORIES = ("quantize", "gemm", "attention", "collective", "rest")
 _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
@@ -50,6 +50,27 @@ def _own_category(rhs: str) -> str | None:
     if "attention" in op_name.lower():
         return "attention"
     return None
+
+
+_WRAPPERS = ("jit(", "jvp(", "transpose(", "vmap(", "checkpoint", "remat", "pjit(", "custom_")
+
+
+def origin(rhs: str) -> str:
+    """Where an instruction comes from, in a few words: a custom call's target, else the last op of its
+    op_name (what the fusion's root computes) under the jaxhq scope it was traced in, if any."""
+    target = re.search(r'custom_call_target="([^"]+)"', rhs)
+    if target:
+        return target.group(1)
+    op_name = re.search(r'op_name="([^"]+)"', rhs)
+    parts = [p for p in (op_name.group(1) if op_name else "").split("/") if p and not p.startswith(_WRAPPERS)]
+    scope = next((p for p in parts if p in (QUANTIZE_SCOPE, STATE_SCOPE)), None)
+    last = parts[-1] if parts else _opcode(rhs)
+    return f"{scope}:{last}" if scope else last
+
+
+def origins(hlo_text: str) -> dict:
+    """{instruction name: origin} for every instruction of the HLO text."""
+    return {m.group(1): origin(m.group(2)) for m in map(_INST.match, hlo_text.splitlines()) if m}
 
 
 def describe(hlo_text: str) -> dict:
@@ -152,6 +173,10 @@ def profile_step(run_step, steps: int, hlo_text: str, step_s: float) -> dict:
         per_op[hlo] += dur / 1e6 / steps
     out = {f"{c}_ms": v for c, v in ms.items()}
     out["top_ops"] = [(h, cats.get(h, "?"), round(t, 3)) for h, t in per_op.most_common(12)]
+    # kernels per step by category and origin: where each launch of the step comes from
+    where = origins(hlo_text)
+    by_origin = collections.Counter((cats.get(h, "rest"), where.get(h, "?")) for h, _ in (kernels or ops))
+    out["kernels_by_origin"] = [(c, o, n / steps) for (c, o), n in by_origin.most_common(24)]
     desc = describe(hlo_text)
     out["top_quantize_ops"] = [(h, desc.get(h, "?"), round(t, 3)) for h, t in per_op.most_common()
                                if cats.get(h) == "quantize"][:16]

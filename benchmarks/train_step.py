@@ -165,6 +165,8 @@ def main():
         print(f"  {name} [{path}]: {r['step_ms']:.2f} ms  ({shares}; idle {r.get('idle_ms', 0):.2f}; "
               f"kernels/step {r.get('kernels_per_step')}) {r.get('profile_error', '')}", flush=True)
         print(f"    top ops: {r.get('top_ops')}", flush=True)
+        print("    kernels by origin: " + ", ".join(f"{c}/{o} {n:g}" for c, o, n in r.get("kernels_by_origin", [])),
+              flush=True)
     base = next((r for r in rows if r["recipe"] == "bf16"), None)
     for r in rows:
         if base:

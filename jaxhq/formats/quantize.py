@@ -56,9 +56,10 @@ def update_state(quantizer: Quantizer, state, qt: QTensor):
     q = normalize(quantizer)
     if state is None:
         return None
-    if isinstance(q, Hybrid):
-        return {a: side(q, a).update_state(st, _amax_of(qt, a)) for a, st in state.items()}
-    return q.update_state(state, _amax_of(qt, None))
+    with jax.named_scope(STATE_SCOPE):  # profiles attribute these ops to the quantizers' state
+        if isinstance(q, Hybrid):
+            return {a: side(q, a).update_state(st, _amax_of(qt, a)) for a, st in state.items()}
+        return q.update_state(state, _amax_of(qt, None))
 
 
 def _amax_of(qt: QTensor, axis: Optional[str]):
@@ -142,6 +143,7 @@ def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=
 
 
 QUANTIZE_SCOPE = "jaxhq_quantize"
+STATE_SCOPE = "jaxhq_state"
 
 
 def _quantize(x, q, usage, key, state, amax) -> QTensor:
