@@ -1,7 +1,8 @@
 """Sharded quantize through custom_partitioning: on a 2x2 CPU mesh each shard is quantized in place (no
 all-gather in the compiled program), outputs keep x's sharding (columnwise copies transposed) and equal the
 unsharded call bit for bit, also where a sharding would split blocks (that axis is gathered) and where one
-shard holds a NaN (the per-tensor amax is NaN everywhere). Runs in a subprocess
+shard holds a NaN (the per-tensor amax is NaN everywhere), delayed scaling's kernel amax included. Runs in a
+subprocess
 so that it can ask for 4 CPU devices."""
 from __future__ import annotations
 
@@ -62,6 +63,19 @@ SCRIPT = textwrap.dedent('''
         got = jax.jit(lambda x: quantize_copies(x, q, platform="cpu"))(xs)
         assert all(np.isnan(np.asarray(s.amax)) for s in got.values()), q.label
         assert compare(got, quantize_copies(x, q, platform="cpu"), q.label) == [], q.label
+    # delayed scaling takes its amax from the quantize kernel of each shard, reduced over the mesh (NaN too):
+    # no amax pass and nothing gathered
+    from test_ffi_checks import DELAYED, state_for
+    st = state_for(DELAYED)
+    f = jax.jit(lambda x, st: quantize_copies(x, DELAYED, state=st, platform="cpu"))
+    for x in (random_input(jax.random.key(6), (256, 512), jnp.bfloat16),
+              random_input(jax.random.key(7), (256, 512), jnp.float32).at[10, 300].set(jnp.nan)):
+        xs = jax.device_put(x, jax.NamedSharding(mesh, jax.P("a", "b")))
+        got = f(xs, st)
+        assert compare(got, quantize_copies(x, DELAYED, state=st, platform="cpu"), "delayed") == []
+        assert bool(np.isnan(np.asarray(got["rowwise"].amax))) == bool(np.isnan(np.asarray(x)).any())
+        hlo = f.lower(xs, st).compile().as_text()
+        assert "all-gather" not in hlo and "jaxhq_amax" not in hlo
     print("OK")
 ''')
 
