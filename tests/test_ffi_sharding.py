@@ -2,8 +2,7 @@
 all-gather in the compiled program), outputs keep x's sharding (columnwise copies transposed) and equal the
 unsharded call bit for bit, also where a sharding would split blocks (that axis is gathered) and where one
 shard holds a NaN (the per-tensor amax is NaN everywhere), delayed scaling's kernel amax included. Runs in a
-subprocess
-so that it can ask for 4 CPU devices."""
+subprocess so that it can ask for 4 CPU devices."""
 from __future__ import annotations
 
 import os
