@@ -116,8 +116,8 @@ __device__ __forceinline__ void store_bytes(uint8_t* dst, const uint8_t (&out)[N
   }
 }
 
-// The scalar copy s of batch element b uses: the FP8 per-tensor scale (with kFromAmax, computed here from the
-// amax given, as fp8.scale_from_amax does) or the NVFP4 global encode. Kernels take both once per thread.
+// The scalar that copy s of batch element b uses: the FP8 per-tensor scale (with kFromAmax, computed here from
+// the amax given, as fp8.scale_from_amax does) or the NVFP4 global encode. Kernels take both once per thread.
 __device__ __forceinline__ float copy_scalar(const Params& p, int s, int64_t b) {
   const SideParams& sp = p.side[s];
   const float v = side_scalar(p.scales, p.per_batch, b, s);
@@ -135,8 +135,9 @@ __device__ __forceinline__ void write_scale_inv(const Params& p, int64_t b, cons
 }
 
 // Side s's copy: N values (16 or 8) of copy row gr from column gc, their block's amax given (block formats) and
-// the copy's scalar (copy_scalar), encoded and stored; the chunk that starts a block also writes the block's scale. Both kernels call this,
-// so the numerics (numerics.h, as the CPU handlers) and the layouts are written once.
+// the copy's scalar (copy_scalar), encoded and stored; the chunk that starts a block also writes the block's
+// scale. Both kernels call this, so the numerics (numerics.h, as the CPU handlers) and the layouts are written
+// once.
 template <int N, typename T>
 __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, int64_t gr, int64_t gc, float amax,
                                              float tscale, const float (&v)[N]) {
