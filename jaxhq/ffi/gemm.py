@@ -83,12 +83,12 @@ def _out_tail(m: int, n: int, out_dtype, bias, accumulate, name: str):
 LT_WORKSPACE = 32 << 20  # gemm_handlers.cc kWorkspace
 
 
-def _piece(nbytes: int) -> int:
-    return max(-(-int(nbytes) // 256) * 256, 256)
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _piece(nbytes: int) -> int:
+    return max(_cdiv(int(nbytes), 256) * 256, 256)
 
 
 def _scale_piece(mode: int, rows: int, k: int, pad: int) -> int:

@@ -137,10 +137,8 @@ CopySpec offset(const CopySpec& s, int64_t b, int64_t r, int64_t c) {
 // The per-tensor scale (kFromAmax: from the amax given, fp8.scale_from_amax) or NVFP4 global encode of a copy;
 // a per-tensor copy also records scale_inv = 1 / scale.
 float copy_scalar(const QuantizeArgs& a, const CopySpec& s, int64_t b, int side) {
-  float v = side_scalar(a.scales, a.scales_per_batch, b, side);
-  if (s.fmt != kFp8Tensor) return v;
-  if (s.opts & kFromAmax) v = tensor_scale(v, (s.opts & kE5M2) ? 57344.0f : 448.0f, a.amax_eps, s.opts & kPow2);
-  *static_cast<float*>(s.scale) = div_ref(1.0f, v);
+  const float v = copy_scalar_of(side_scalar(a.scales, a.scales_per_batch, b, side), s.fmt, s.opts, a.amax_eps);
+  if (s.fmt == kFp8Tensor) *static_cast<float*>(s.scale) = div_ref(1.0f, v);
   return v;
 }
 

@@ -14,6 +14,16 @@ namespace {
 
 constexpr int kThreads = 256, kRowsPerBlock = 256;
 
+// The CTA's plain and RHT amaxes (per-thread partials, non-negative) into the batch element's outputs.
+__device__ __forceinline__ void cta_amaxes(float a, float ar, bool rht, float* amax, float* amax_rht) {
+  __shared__ unsigned slot[2][kThreads / 32];
+  cta_amax_partial(f2u(a), slot[0]);
+  cta_amax_partial(f2u(ar), slot[1]);
+  __syncthreads();
+  cta_amax_finish(slot[0], kThreads / 32, amax);
+  if (rht) cta_amax_finish(slot[1], kThreads / 32, amax_rht);
+}
+
 template <typename T>
 __global__ void amax_kernel(const T* __restrict__ x, int64_t m, int64_t k, bool rht, float* amax, float* amax_rht) {
   const int64_t b = blockIdx.z;
@@ -35,30 +45,8 @@ __global__ void amax_kernel(const T* __restrict__ x, int64_t m, int64_t k, bool 
       }
     }
   }
-  __shared__ float sa[2][kThreads / 32];
-  a = warp_nmax(a);
-  ar = warp_nmax(ar);
-  if ((threadIdx.x & 31) == 0) {
-    sa[0][threadIdx.x / 32] = a;
-    sa[1][threadIdx.x / 32] = ar;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kThreads / 32; ++w) {
-      a = nmax(a, sa[0][w]);
-      ar = nmax(ar, sa[1][w]);
-    }
-    atomicMax(reinterpret_cast<unsigned int*>(amax + b), f2u(a));
-    if (rht) atomicMax(reinterpret_cast<unsigned int*>(amax_rht + b), f2u(ar));
-  }
+  cta_amaxes(a, ar, rht, amax + b, amax_rht + b);
 }
-
-template <typename T> __device__ __forceinline__ float half_bits_f32(uint32_t h);
-template <> __device__ __forceinline__ float half_bits_f32<__nv_bfloat16>(uint32_t h) {
-  return bf16_bits_to_f32(uint16_t(h));
-}
-template <> __device__ __forceinline__ float half_bits_f32<__half>(uint32_t h) { return f16_bits_to_f32(uint16_t(h)); }
-__device__ __forceinline__ uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
 
 // The 16-bit kernel: CTA = 8 warps over 256 columns (32 threads x 8) and kRowsPerBlock rows (warp w takes the
 // 16-row groups w, w + 8, ...).
@@ -78,14 +66,12 @@ __global__ void amax_vec_kernel(const T* __restrict__ x, int64_t m, int64_t k, b
 #pragma unroll
       for (int i = 0; i < 16; ++i)
         q[i] = g + i < m ? __ldg(reinterpret_cast<const uint4*>(x + (g + i) * k + c)) : make_uint4(0, 0, 0, 0);
+      constexpr uint32_t kAbs = 0x7FFF7FFFu;  // |x| of both halves: the sign bits cleared before the max
+      uint32_t pair = 0u;                     // per-halfword max of the |x| patterns
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const uint32_t w = (q[i].x & 0x7FFF7FFFu), w1 = (q[i].y & 0x7FFF7FFFu), w2 = (q[i].z & 0x7FFF7FFFu),
-                       w3 = (q[i].w & 0x7FFF7FFFu);
-        const uint32_t hi = umax(umax(w >> 16, w1 >> 16), umax(w2 >> 16, w3 >> 16));
-        const uint32_t lo = umax(umax(w & 0xFFFFu, w1 & 0xFFFFu), umax(w2 & 0xFFFFu, w3 & 0xFFFFu));
-        a = umax(a, umax(hi, lo));
-      }
+      for (int i = 0; i < 16; ++i)
+        pair = vmax2(pair, vmax2(vmax2(q[i].x & kAbs, q[i].y & kAbs), vmax2(q[i].z & kAbs, q[i].w & kAbs)));
+      a = maxu(a, max_halves(pair));
       if (rht && g + 16 <= m) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {  // column c + j: half j % 2 of word j / 2 of each row's load
@@ -93,7 +79,7 @@ __global__ void amax_vec_kernel(const T* __restrict__ x, int64_t m, int64_t k, b
 #pragma unroll
           for (int i = 0; i < 16; ++i) {
             const uint32_t word = j / 2 == 0 ? q[i].x : j / 2 == 1 ? q[i].y : j / 2 == 2 ? q[i].z : q[i].w;
-            v[i] = half_bits_f32<T>(j % 2 ? word >> 16 : word & 0xFFFFu);
+            v[i] = bits_to_f32<T>(half_of(word, j % 2));
           }
           rht16(v);
 #pragma unroll
@@ -102,23 +88,7 @@ __global__ void amax_vec_kernel(const T* __restrict__ x, int64_t m, int64_t k, b
       }
     }
   }
-  const float af = half_bits_f32<T>(a);
-  __shared__ float sa[2][kThreads / 32];
-  const float wa = warp_nmax(af), war = warp_nmax(ar);
-  if (lane == 0) {
-    sa[0][warp] = wa;
-    sa[1][warp] = war;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float t = sa[0][0], tr = sa[1][0];
-    for (int w = 1; w < kThreads / 32; ++w) {
-      t = nmax(t, sa[0][w]);
-      tr = nmax(tr, sa[1][w]);
-    }
-    atomicMax(reinterpret_cast<unsigned int*>(amax + b), f2u(t));
-    if (rht) atomicMax(reinterpret_cast<unsigned int*>(amax_rht + b), f2u(tr));
-  }
+  cta_amaxes(bits_to_f32<T>(a), ar, rht, amax + b, amax_rht + b);
 }
 
 template <typename T>

@@ -23,6 +23,40 @@ __device__ __forceinline__ float warp_nmax(float v) {
   return v;
 }
 
+// 16-bit inputs as raw bits: the quantize and amax kernels read x 16 bytes at a time and take |x| maxima on
+// the patterns (non-negative patterns order as the values do, NaN patterns above inf).
+// The float value of 16 input bits (sign included).
+template <typename T> __device__ __forceinline__ float bits_to_f32(uint32_t h);
+template <> __device__ __forceinline__ float bits_to_f32<__nv_bfloat16>(uint32_t h) { return u2f(h << 16); }
+template <> __device__ __forceinline__ float bits_to_f32<__half>(uint32_t h) { return f16_bits_to_f32(uint16_t(h)); }
+
+__device__ __forceinline__ uint32_t half_of(uint32_t w, int i) { return i ? (w >> 16) : (w & 0xFFFFu); }
+__device__ __forceinline__ uint32_t maxu(uint32_t a, uint32_t b) { return a > b ? a : b; }
+__device__ __forceinline__ uint32_t max_halves(uint32_t w) { return maxu(w & 0xFFFFu, w >> 16); }
+// Per-halfword max of two packed |x| patterns.
+__device__ __forceinline__ uint32_t vmax2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __vmaxu2(a, b);
+#else
+  return maxu(a & 0xFFFFu, b & 0xFFFFu) | (maxu(a >> 16, b >> 16) << 16);
+#endif
+}
+
+// The CTA's max |x| into the batch element's amax: `bits` is this thread's partial as non-negative float bits
+// (which order as uints, NaN patterns above inf); one atomic per CTA. Every thread calls `partial` between two
+// __syncthreads of the kernel, with `slot` a word per warp in shared memory, and `finish` after the second.
+__device__ __forceinline__ void cta_amax_partial(unsigned bits, unsigned* slot) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) bits = maxu(bits, __shfl_xor_sync(0xffffffffu, bits, o));
+  if ((threadIdx.x & 31) == 0) slot[threadIdx.x / 32] = bits;
+}
+__device__ __forceinline__ void cta_amax_finish(const unsigned* slot, int warps, float* amax) {
+  if (threadIdx.x != 0) return;
+  unsigned m = 0u;
+  for (int w = 0; w < warps; ++w) m = maxu(m, slot[w]);
+  atomicMax(reinterpret_cast<unsigned*>(amax), m);
+}
+
 // saturating_fp8 on the hardware converter (round to nearest even, saturate to finite, NaN stays NaN).
 __device__ __forceinline__ uint16_t fp8x2(float a, float b, bool e5m2) {
   return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3);

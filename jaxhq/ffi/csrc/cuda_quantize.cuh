@@ -25,7 +25,7 @@ struct Params {
   float amax_eps;
   const uint32_t* seed;
   SideParams side[2];  // 0: rowwise [m, k], 1: columnwise [k, m]
-  unsigned* amax;      // [batch] or null: max |x| as float bits (zeroed before the launch; one atomic per CTA)
+  float* amax;         // [batch] or null: max |x| (zeroed before the launch; one atomic per CTA on its bits)
 };
 
 inline Params make_params(const QuantizeArgs& a) {
@@ -37,7 +37,7 @@ inline Params make_params(const QuantizeArgs& a) {
   p.per_batch = a.scales_per_batch;
   p.amax_eps = a.amax_eps;
   p.seed = a.seed;
-  p.amax = reinterpret_cast<unsigned*>(a.amax);
+  p.amax = a.amax;
   const CopySpec* cs[2] = {&a.row, &a.col};
   for (int s = 0; s < 2; ++s) {
     const int64_t R = s == 0 ? a.m : a.k, C = s == 0 ? a.k : a.m;
@@ -119,10 +119,7 @@ __device__ __forceinline__ void store_bytes(uint8_t* dst, const uint8_t (&out)[N
 // The scalar that copy s of batch element b uses: the FP8 per-tensor scale (with kFromAmax, computed here from
 // the amax given, as fp8.scale_from_amax does) or the NVFP4 global encode. Kernels take both once per thread.
 __device__ __forceinline__ float copy_scalar(const Params& p, int s, int64_t b) {
-  const SideParams& sp = p.side[s];
-  const float v = side_scalar(p.scales, p.per_batch, b, s);
-  if (sp.fmt != kFp8Tensor || !(sp.opts & kFromAmax)) return v;
-  return tensor_scale(v, (sp.opts & kE5M2) ? 57344.0f : 448.0f, p.amax_eps, sp.opts & kPow2);
+  return copy_scalar_of(side_scalar(p.scales, p.per_batch, b, s), p.side[s].fmt, p.side[s].opts, p.amax_eps);
 }
 
 // The first thread of the grid's first tile writes each per-tensor copy's scale_inv = 1 / scale.
@@ -177,24 +174,6 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
     memcpy(out + 2 * i, &pair, 2);
   }
   store_bytes(data + gr * C + gc, out, C - gc, C % N == 0);
-}
-
-// The CTA's max |x| into the batch element's amax: `bits` is this thread's partial as non-negative float bits
-// (which order as uints, NaN patterns above inf); one atomic per CTA. Call it from every thread between two
-// __syncthreads of the kernel, with `slot` a kThreads / 32 word shared array, and `finish` after the second.
-__device__ __forceinline__ void cta_amax_partial(unsigned bits, unsigned* slot) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const unsigned other = __shfl_xor_sync(0xffffffffu, bits, o);
-    bits = other > bits ? other : bits;
-  }
-  if ((threadIdx.x & 31) == 0) slot[threadIdx.x / 32] = bits;
-}
-__device__ __forceinline__ void cta_amax_finish(const unsigned* slot, int warps, unsigned* amax) {
-  if (threadIdx.x != 0) return;
-  unsigned m = 0u;
-  for (int w = 0; w < warps; ++w) m = slot[w] > m ? slot[w] : m;
-  atomicMax(amax, m);
 }
 
 // The register-tile kernel (cuda_quantize_regs.cu): 16-bit inputs, FP8 formats (register_tile_takes).

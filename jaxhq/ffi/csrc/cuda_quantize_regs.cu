@@ -25,23 +25,6 @@ struct RegSmem {
   unsigned xamax[kThreads / 32];    // per-warp max |x| (the amax output)
 };
 
-// The float value of 16 input bits (sign included).
-template <typename T> __device__ __forceinline__ float bits_to_f32(uint32_t h);
-template <> __device__ __forceinline__ float bits_to_f32<__nv_bfloat16>(uint32_t h) { return u2f(h << 16); }
-template <> __device__ __forceinline__ float bits_to_f32<__half>(uint32_t h) { return f16_bits_to_f32(uint16_t(h)); }
-
-__device__ __forceinline__ uint32_t half_of(uint32_t w, int i) { return i ? (w >> 16) : (w & 0xFFFFu); }
-__device__ __forceinline__ uint32_t maxu(uint32_t a, uint32_t b) { return a > b ? a : b; }
-__device__ __forceinline__ uint32_t max_halves(uint32_t w) { return maxu(w & 0xFFFFu, w >> 16); }
-// Per-halfword max of two packed |x| patterns.
-__device__ __forceinline__ uint32_t vmax2(uint32_t a, uint32_t b) {
-#if defined(__CUDA_ARCH__)
-  return __vmaxu2(a, b);
-#else
-  return maxu(a & 0xFFFFu, b & 0xFFFFu) | (maxu(a >> 16, b >> 16) << 16);
-#endif
-}
-
 // The 8x8 block of x at tile rows 8 rg.., columns 8 cg.. as 8 rows of 4 packed words, zero outside x.
 template <typename T>
 __device__ __forceinline__ void load_block(const T* __restrict__ x, int64_t m, int64_t k, int64_t r, int64_t c,

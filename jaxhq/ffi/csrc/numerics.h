@@ -102,9 +102,12 @@ JHQ_HD uint32_t small_bits(float a, int mbits, int bias) {
   return (uint32_t(e + bias) << mbits) | ((f2u(a) & 0x7FFFFFu) >> (23 - mbits));
 }
 
+// casts.FP8_MAX: the largest finite E5M2 / E4M3 value.
+JHQ_HD float fp8_max(bool e5m2) { return e5m2 ? 57344.0f : 448.0f; }
+
 // saturating_fp8: clip to +-max then cast round-to-nearest-even. NaN -> 0x7F | sign (E4M3) / 0x7F (E5M2).
 JHQ_HD uint8_t fp8_encode_sw(float x, bool e5m2) {
-  const float m = e5m2 ? 57344.0f : 448.0f;
+  const float m = fp8_max(e5m2);
   if (is_nan(x)) return uint8_t((f2u(x) >> 24) & 0x80) | 0x7F;
   float c = nclip(x, -m, m);
   const int mb = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
@@ -162,7 +165,14 @@ JHQ_HD float tensor_scale(float amax, float fmt_max, float eps, bool pow2) {
   return s;
 }
 // The FP8 blockwise scale (E4M3, eps = 0).
-JHQ_HD float block_scale(float amax, bool pow2) { return tensor_scale(amax, 448.0f, 0.0f, pow2); }
+JHQ_HD float block_scale(float amax, bool pow2) { return tensor_scale(amax, fp8_max(false), 0.0f, pow2); }
+
+// The scalar a quantized copy uses, from the value it is given: with kFromAmax (FP8 per-tensor) that value is
+// the amax and the scale is tensor_scale of it; otherwise it is the scale (FP8) or NVFP4's global encode.
+JHQ_HD float copy_scalar_of(float given, int32_t fmt, int32_t opts, float amax_eps) {
+  if (fmt != kFp8Tensor || !(opts & kFromAmax)) return given;
+  return tensor_scale(given, fp8_max(opts & kE5M2), amax_eps, opts & kPow2);
+}
 
 // casts.e2m1_codes (magnitude thresholds, round to nearest even, saturating; NaN -> 0 | sign).
 JHQ_HD uint8_t e2m1_code(float y) {
