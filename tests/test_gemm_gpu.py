@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 
 import jax
@@ -257,11 +258,12 @@ def test_short_workspace_is_an_error_naming_the_bytes():
     empty = jnp.zeros((0,), jnp.float32)
     call = jax.ffi.ffi_call(G.FP8_TARGET, (jax.ShapeDtypeStruct((17, N_), jnp.float32),
                                            jax.ShapeDtypeStruct((1 << 20,), jnp.uint8)))
-    with pytest.raises(Exception, match=r"workspace \(\d+ bytes\) is too small .* bytes needed"):
+    with pytest.raises(Exception, match=r"workspace \(\d+ bytes\) is too small .* bytes needed") as err:
         jax.block_until_ready(call(a.data, a.scale_inv, b.data, b.scale_inv, empty, empty, mode_a=np.int32(1),
                                    mode_b=np.int32(2), layout=np.int32(0), pad=np.int32(4),
                                    accumulate=np.int32(0), fast_accum=np.int32(0)))
-    assert need > 1 << 20  # the sized call (every other test) gets what it needs
+    # what the handler needed when it ran out is within what jaxhq/ffi/gemm.py gives the sized call
+    assert 1 << 20 < int(re.search(r"(\d+) bytes needed", str(err.value)).group(1)) <= need
 
 
 @pytest.mark.parametrize("recipe", ["fp8_current", "fp8_block", "mxfp8", "nvfp4"])

@@ -80,7 +80,10 @@ def _out_tail(m: int, n: int, out_dtype, bias, accumulate, name: str):
 # re-layouts, dequantized operands, the unfused epilogue's temporary (bias or accumulate), and the retry with
 # A's rows padded to 16 (cuBLASLt refused block-scaled FP8 only for M % 16 != 0). A handler that runs out
 # says how many bytes it needed.
-LT_WORKSPACE = 32 << 20  # gemm_handlers.cc kWorkspace
+def _lt_workspace() -> int:
+    """The handlers' cuBLASLt workspace bytes, as the extension states them (gemm/bindings.h)."""
+    from . import load
+    return int(load().lt_workspace_bytes)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -113,7 +116,7 @@ def workspace_bytes_fp8(m, n, k, mode_a, mode_b, out_dtype, extra: bool, layout=
     """Workspace of jaxhq_gemm_fp8 for A [m, k], B [n, k]; `extra`: a bias or accumulate is given."""
     pad = (layout or _layout())[1]
     ob = jnp.dtype(out_dtype).itemsize
-    total = 256 + LT_WORKSPACE + _scale_piece(mode_a, m, k, pad) + _scale_piece(mode_b, n, k, pad)
+    total = 256 + _lt_workspace() + _scale_piece(mode_a, m, k, pad) + _scale_piece(mode_b, n, k, pad)
     if m % 16:  # the retry re-lays A's scales for the padded rows
         total += _scale_piece(mode_a, _cdiv(max(m, 1), 16) * 16, k, pad)
     return total + _epilogue_pieces(m, n, ob, extra, k)
@@ -126,7 +129,7 @@ def workspace_bytes_dq(m, n, k, nvfp4: bool, out_dtype, extra: bool) -> int:
     cols = _cdiv(k, 16 if nvfp4 else 32)
     swizzled = sum(_piece(_cdiv(r, 128) * 128 * _cdiv(cols, 4) * 4) for r in (m, n))
     operands = max(_piece(m * k * 2) + _piece(n * k * 2), swizzled)
-    return 256 + LT_WORKSPACE + operands + _piece(8) + _epilogue_pieces(m, n, ob, extra, 2 * k)
+    return 256 + _lt_workspace() + operands + _piece(8) + _epilogue_pieces(m, n, ob, extra, 2 * k)
 
 
 def _workspace(nbytes: int):

@@ -1,6 +1,7 @@
 // The nanobind module: hands Python one PyCapsule per FFI handler, by platform.
 #include <nanobind/nanobind.h>
 
+#include "gemm/bindings.h"
 #include "handlers.h"
 #ifdef JAXHQ_WITH_CUDA
 #include "gemm/registry.h"
@@ -38,6 +39,7 @@ NB_MODULE(_jaxhq_ffi, m) {
     out["cuda"] = cuda;
     return out;
   });
+  m.attr("lt_workspace_bytes") = size_t(jaxhq::gemm_bind::kLtWorkspace);  // jaxhq/ffi/gemm.py sizes calls with it
 #ifdef JAXHQ_WITH_CUDA
   m.attr("cuda_built") = true;
 #else

@@ -12,6 +12,9 @@ namespace jaxhq {
 namespace gemm_bind {
 namespace ffi = xla::ffi;
 
+// The cuBLASLt workspace of a call (Hopper recommends 32 MiB); the module exports it to the Python sizing.
+constexpr size_t kLtWorkspace = 32u << 20;
+
 // A, its scales, B, its scales (per-tensor fp32 scalars, or 1x128 / 128x128 fp32 block scales)
 template <typename B>
 auto fp8(B&& b) {

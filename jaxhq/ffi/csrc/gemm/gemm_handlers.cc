@@ -32,7 +32,7 @@ namespace ffi = xla::ffi;
 namespace jaxhq {
 namespace {
 
-constexpr size_t kWorkspace = 32u << 20;  // cuBLASLt workspace (Hopper recommends 32 MiB)
+constexpr size_t kWorkspace = gemm_bind::kLtWorkspace;
 constexpr size_t kScratchAlign = 16;  // the most XLA's FFI scratch allocator accepts (its BFC blocks are 256-aligned)
 
 enum ScaleMode : int32_t { kTensor = 0, kVec128 = 1, kBlk128 = 2 };
