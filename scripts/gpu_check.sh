@@ -33,14 +33,17 @@ cp /tmp/jaxhq_site/jaxhq/ffi/_jaxhq_ffi*.so jaxhq/ffi/  # the built extension wi
 $PY -c "import jaxhq.ffi as f; print('cuda_built', f.load().cuda_built, 'gpu kernels', f.available('gpu'))"
 
 summary() { grep -E "^(FAILED|ERROR)|passed|failed" "$1" | cut -c1-250 | tail -${2:-12}; }
+# the 2-GPU equality tests and the sharded-step benchmark (multi mode, tests mode on >= 2 GPUs, BENCH=fsdp)
+sharding_tests() { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -m gpu \
+  tests/test_sharding_gpu.py --tb=short -p no:cacheprovider >"$OUTDIR/sharding_gpu.log" 2>&1; }
+fsdp_bench() { log "fsdp ${FSDP_ARGS:-}"; timeout ${FSDP_TIMEOUT:-400} $PY benchmarks/fsdp.py --gpu ${FSDP_ARGS:-} \
+  --out "$OUTDIR/fsdp_gpu.json" 2>&1 | tee "$OUTDIR/fsdp_gpu.log" | tail -30; }
 
 if [ "$MODE" = multi ]; then
   log "sharding tests on $(nvidia-smi -L | wc -l) GPUs"
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -m gpu tests/test_sharding_gpu.py \
-    --tb=short -p no:cacheprovider >"$OUTDIR/sharding_gpu.log" 2>&1
+  sharding_tests
   summary "$OUTDIR/sharding_gpu.log" 20
-  log "fsdp ${FSDP_ARGS:-}"
-  timeout ${FSDP_TIMEOUT:-330} $PY benchmarks/fsdp.py --gpu ${FSDP_ARGS:-} --out "$OUTDIR/fsdp_gpu.json" 2>&1 | tee "$OUTDIR/fsdp_gpu.log"
+  fsdp_bench
 elif [ "$MODE" = tests ]; then
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   T=${TEST_TIMEOUT:-330}
@@ -56,8 +59,7 @@ elif [ "$MODE" = tests ]; then
     >"$OUTDIR/train_on_gpu.log" 2>&1 &
   wait
   NGPU=$(nvidia-smi -L | wc -l)
-  [ "$NGPU" -ge 2 ] && { log "sharding on $NGPU GPUs"; timeout $T $PY -m pytest -q -m gpu tests/test_sharding_gpu.py \
-    --tb=short -p no:cacheprovider >"$OUTDIR/sharding_gpu.log" 2>&1; }
+  [ "$NGPU" -ge 2 ] && { log "sharding on $NGPU GPUs"; TEST_TIMEOUT=$T sharding_tests; }
   for f in $(for v in ${VARIANTS:-default}; do echo ffi_gpu_$v; done) gemm_gpu dense_layers_on_gpu train_on_gpu \
       $([ "$NGPU" -ge 2 ] && echo sharding_gpu); do
     log "$f"; summary "$OUTDIR/$f.log"
@@ -83,8 +85,7 @@ else
           --out "$OUTDIR/train_step_quick.json" 2>&1 | tee "$OUTDIR/train_step_quick.log" | grep -v "top ops" | tail -22 ;;
       peer) log "peer_fp8"
         timeout ${PEER_TIMEOUT:-200} $PY benchmarks/peer_fp8.py ${PEER_ARGS:-} --out "$OUTDIR/peer_fp8.json" 2>&1 | tail -18 ;;
-      fsdp) log "fsdp ${FSDP_ARGS:-}"  # sharded steps (FSDP, TP, SP) over all local GPUs
-        timeout ${FSDP_TIMEOUT:-400} $PY benchmarks/fsdp.py --gpu ${FSDP_ARGS:-} --out "$OUTDIR/fsdp_gpu.json" 2>&1 | tail -30 ;;
+      fsdp) fsdp_bench ;;  # sharded steps (FSDP, TP, SP) over all local GPUs
       gemm) log "gemm"
         timeout 150 $PY benchmarks/gemm.py ${GEMM_ARGS:-} --out "$OUTDIR/gemm.json" 2>&1 | tail -24 ;;
       quantize) for variant in ${VARIANTS:-default}; do
