@@ -11,6 +11,7 @@ A shape is MxKxN (out[M, N] = A[M, K] @ B[N, K].T).
 from __future__ import annotations
 
 import gc
+import time
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,12 @@ GROUPS = 8
 SHAPES = [(8192, 8192, 8192), (16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096)]  # (M, K, N)
 
 
-def variants(m, k, n, key):
+def _q(x, fmt):
+    """The rowwise copy of x in fmt, quantized by one jitted program."""
+    return jax.jit(lambda t: quantize(t, fmt, "rowwise").rowwise)(x)
+
+
+def variants(m, k, n, key, xla_scaled=False):
     """{name: (jitted fn, args)}; operands built on the device."""
     ka, kb = jax.random.split(key)
     x = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
@@ -34,27 +40,29 @@ def variants(m, k, n, key):
     v = {}
     v["xla_bf16"] = (jax.jit(lambda a, b: lax.dot_general(a, b, TN)), (x, w))
 
-    qa = quantize(x, Float8CurrentScaling("e4m3"), "rowwise").rowwise
-    qb = quantize(w, Float8CurrentScaling("e4m3"), "rowwise").rowwise
+    qa = _q(x, Float8CurrentScaling("e4m3"))
+    qb = _q(w, Float8CurrentScaling("e4m3"))
     v["xla_fp8_dot_general"] = (jax.jit(lambda a, b: lax.dot_general(a, b, TN, preferred_element_type=jnp.bfloat16)),
                                 (qa.data, qb.data))
-    v["xla_fp8_scaled(ops.gemm)"] = (jax.jit(lambda a, b: fp8_gpu_dot(a, b, jnp.bfloat16)), (qa, qb))
+    if xla_scaled:  # XLA's autotuning of the scaled FP8 dot compiles for ~100 s per shape
+        v["xla_fp8_scaled(ops.gemm)"] = (jax.jit(lambda a, b: fp8_gpu_dot(a, b, jnp.bfloat16)), (qa, qb))
     v["jaxhq_fp8_tensor"] = (jax.jit(lambda a, b: G.fp8_gemm(a, b, jnp.bfloat16)), (qa, qb))
     v["jaxhq_fp8_tensor_fastacc"] = (jax.jit(lambda a, b: G.fp8_gemm(a, b, jnp.bfloat16, fast_accum=True)), (qa, qb))
 
-    ba = quantize(x, Float8Block((1, 128)), "rowwise").rowwise
-    bb = quantize(w, Float8Block((128, 128)), "rowwise").rowwise
+    ba = _q(x, Float8Block((1, 128)))
+    bb = _q(w, Float8Block((128, 128)))
     v["jaxhq_fp8_block"] = (jax.jit(lambda a, b: G.fp8_gemm(a, b, jnp.bfloat16)), (ba, bb))
 
-    ma = quantize(x, MXFP8("e4m3"), "rowwise").rowwise
-    mb = quantize(w, MXFP8("e4m3"), "rowwise").rowwise
-    v["jaxhq_mxfp8"] = (jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.bfloat16)), (ma, mb))  # wgmma on Hopper
+    ma = _q(x, MXFP8("e4m3"))
+    mb = _q(w, MXFP8("e4m3"))
+    wg = "wgmma" if G._hopper() else "auto"  # the FP8-wgmma kernel wherever it runs
+    v["jaxhq_mxfp8"] = (jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.bfloat16, kernel=wg)), (ma, mb))
     v["jaxhq_mxfp8_dq"] = (jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.bfloat16, kernel="dequantize")),
                            (ma, mb))
     if m % GROUPS == 0:  # MoE: GROUPS experts of m / GROUPS rows each, same FLOPs as the dense GEMM
-        wq = [quantize(jnp.roll(w, i, axis=0), MXFP8("e4m3"), "rowwise").rowwise for i in range(GROUPS)]
+        wq = [_q(jnp.roll(w, i, axis=0), MXFP8("e4m3")) for i in range(GROUPS)]
         sizes = jnp.full((GROUPS,), m // GROUPS, jnp.int32)
-        for label, kern in (("", "auto"), ("_dq", "dequantize")):
+        for label, kern in (("", wg), ("_dq", "dequantize")):
             v[f"jaxhq_mxfp8_grouped{GROUPS}{label}"] = (
                 jax.jit(lambda a, bs, gs, kern=kern: G.grouped_gemm(a, bs, gs, jnp.bfloat16, kernel=kern)),
                 (ma, wq, sizes))
@@ -63,13 +71,13 @@ def variants(m, k, n, key):
                                                           preferred_element_type=jnp.bfloat16)[0]),
         (ma.data, mb.data, ma.scale_inv, mb.scale_inv))
 
-    na = quantize(x, NVFP4(), "rowwise").rowwise
-    nb = quantize(w, NVFP4(), "rowwise").rowwise
+    na = _q(x, NVFP4())
+    nb = _q(w, NVFP4())
     v["jaxhq_nvfp4"] = (jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.bfloat16)), (na, nb))
     try:  # the same E2M1 values as jnp.float4_e2m1fn, E4M3 block scales (global scale left out)
         from jaxhq.formats.casts import e2m1_decode, unpack_nibbles
-        fa = e2m1_decode(unpack_nibbles(na.data)).astype(jnp.float4_e2m1fn)
-        fb = e2m1_decode(unpack_nibbles(nb.data)).astype(jnp.float4_e2m1fn)
+        to_f4 = jax.jit(lambda d: e2m1_decode(unpack_nibbles(d)).astype(jnp.float4_e2m1fn))
+        fa, fb = to_f4(na.data), to_f4(nb.data)
         v["scaled_matmul_nvfp4"] = (
             jax.jit(lambda a, b, sa, sb: jax.nn.scaled_matmul(a[None], b[None], sa[None], sb[None],
                                                               preferred_element_type=jnp.bfloat16)[0]),
@@ -97,6 +105,7 @@ def _shape(text: str) -> tuple:
 def main():
     p = parser(__doc__)
     p.add_argument("--shapes", default=None, help="comma-separated MxKxN list (default: the four shapes above)")
+    p.add_argument("--xla-scaled", action="store_true", help="also time XLA's scaled FP8 dot (jaxhq's XLA FP8 path)")
     args = p.parse_args()
     if args.shapes:
         shapes = [_shape(t) for t in args.shapes.split(",") if t]
@@ -106,9 +115,12 @@ def main():
     key = jax.random.PRNGKey(0)
     for (m, k, n) in shapes:
         key, sub = jax.random.split(key)
-        vs = variants(m, k, n, sub)
+        t0 = time.perf_counter()
+        vs = variants(m, k, n, sub, args.xla_scaled)
+        print(f"{m}x{k}x{n}: operands in {time.perf_counter() - t0:.1f} s", flush=True)
         base = {}
         for name, (fn, a) in vs.items():
+            t0 = time.perf_counter()
             try:
                 t = time_back_to_back(fn, *a)[0]
                 tf = 2.0 * m * n * k / t / 1e12
@@ -116,6 +128,7 @@ def main():
                 print(f"{name} {m}x{k}x{n} failed: {repr(e)[:300]}", flush=True)
                 t, tf = None, None
             base[name] = tf
+            print(f"  {name}: {time.perf_counter() - t0:.1f} s (compile + timing)", flush=True)
             rows.append({"M": m, "K": k, "N": n, "kernel": name, "ms": None if t is None else t * 1e3, "tflops": tf})
         mine = rows[-len(vs):]
         for r in mine:

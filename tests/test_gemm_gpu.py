@@ -394,9 +394,6 @@ def test_mxfp8_auto_follows_wgmma_wins(monkeypatch):
 @pytest.mark.parametrize("sizes", [[5, 0, 700, 200], [128, 256, 1, 127, 300], [0, 0], [600, 600]],
                          ids=["ragged", "tile-edges", "empty", "clamped"])
 @pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "accumulate"])
-@pytest.mark.skip(reason="the grouped wgmma kernel stops with an illegal instruction on an H100 (2026-11-23), which "
-                  "leaves the CUDA context unusable for every test after it; grouped MXFP8 takes the dequantize "
-                  "path (ffi/gemm.py _use_wgmma) until the kernel is fixed")
 def test_mxfp8_wgmma_grouped(sizes, accumulate):
     """Groups read on the device: ragged sizes, group edges on and off 128-row tiles, all-empty groups
     (every row past them) and sizes past T = 1000 (clamped like the host path: the second group gets 400)."""

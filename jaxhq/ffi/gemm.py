@@ -197,14 +197,16 @@ def _hopper() -> bool:
     return cc.split(".")[0] == "9"
 
 
-WGMMA_WINS = False  # the dense wgmma kernel passes every GPU test but is slower than dequantize + bf16 today
+# Whether "auto" takes the wgmma kernel. It passes every GPU test (dense and grouped) but is the slower path: on an
+# H100 (2026-11-25, one run) wgmma 364-376 TFLOP/s against dequantize + bf16 686-692 at 8192^3, 16384x4096x14336
+# and 8192x4096x28672; the H100-preset training step 81.2 ms against 53.6 (docs/gemm.md).
+WGMMA_WINS = False
 
 
 def _use_wgmma(fa: int, fb: int, k: int, kernel: str, name: str, groups: int = 0) -> bool:
     """Whether an MXFP8 pair runs on the FP8-wgmma kernel: `kernel` "auto" picks it where it applies (Hopper,
-    MXFP8 on both sides, K % 16 == 0 for TMA rows, <= 1024 groups), "wgmma" requires it, "dequantize" never."""
-    if kernel == "auto":  # JAXHQ_MXFP8_GEMM=wgmma|dequantize sets the choice process-wide (A/B timing)
-        kernel = os.environ.get("JAXHQ_MXFP8_GEMM", "auto")
+    MXFP8 on both sides, K % 16 == 0 for TMA rows, <= 1024 groups) and wins, "wgmma" requires it, "dequantize"
+    never. JAXHQ_MXFP8_GEMM=wgmma|dequantize overrides "auto" process-wide where the kernel applies (A/B timing)."""
     if kernel not in KERNELS:
         raise ValueError(f"{name}: kernel must be one of {KERNELS}, got {kernel!r}")
     mx = fa != FMT_NVFP4 and fb != FMT_NVFP4
@@ -213,10 +215,12 @@ def _use_wgmma(fa: int, fb: int, k: int, kernel: str, name: str, groups: int = 0
            else "the GPU is not a Hopper (sm_90a)" if not _hopper() else "")
     if kernel == "wgmma" and why:
         raise GemmUnsupported(f"{name}: the MXFP8 wgmma kernel does not apply: {why}")
-    # "auto" takes the wgmma kernel only where it is the faster one: WGMMA_WINS (measured on an H100, 8192^3:
-    # wgmma 385 TFLOP/s, dequantize + bf16 696, 2026-11-23; the grouped form also stops with an illegal
-    # instruction there, so it stays off until fixed).
-    return kernel == "wgmma" or (kernel == "auto" and not why and WGMMA_WINS and not groups)
+    if kernel != "auto" or why:
+        return kernel == "wgmma"
+    env = os.environ.get("JAXHQ_MXFP8_GEMM", "auto")
+    if env not in KERNELS:
+        raise ValueError(f"JAXHQ_MXFP8_GEMM must be one of {KERNELS}, got {env!r}")
+    return env == "wgmma" or (env == "auto" and WGMMA_WINS)
 
 
 def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=None, accumulate=None,

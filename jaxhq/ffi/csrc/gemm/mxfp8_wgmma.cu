@@ -23,8 +23,14 @@ namespace {
 
 constexpr int kBM = 128, kBN = 128, kBK = 128, kStages = 5, kThreads = 384;
 constexpr int kABytes = kBM * kBK, kBBytes = kBN * kBK;            // one byte per FP8 code
-constexpr int kSABytes = 4 * kBM * 4, kSBBytes = 4 * kBN * 4;      // 4 MX blocks x rows x fp32
-constexpr int kStageBytes = kABytes + kBBytes + kSABytes + kSBBytes;  // 36 KiB, a multiple of 1024
+// A tile's scales: 4 MX blocks x kSRows fp32. TMA needs the box's first row at a 16-byte boundary, so a box
+// starts at the tile's first row rounded down to a multiple of 4 and spans 4 rows more (a group's first row,
+// and group * N for B, can be anywhere). Each scale slot is padded to 128 bytes, TMA's shared-memory alignment.
+constexpr int kSRows = kBM + 4, kSBoxBytes = 4 * kSRows * 4, kSABytes = (kSBoxBytes + 127) / 128 * 128;
+constexpr int kSBBytes = kSABytes;
+constexpr int kTxBytes = kABytes + kBBytes + 2 * kSBoxBytes;           // what TMA brings per stage
+constexpr int kStageBytes = (kTxBytes + 1023) / 1024 * 1024;          // 37 KiB
+constexpr int kBand = 8;  // output tiles are visited in bands of 8 tile rows (see tile_of)
 constexpr int kSmemBytes = kStages * kStageBytes + 1024 + 2 * kStages * 8;
 static_assert(kStageBytes % 1024 == 0, "stages must keep the 1024-byte alignment of 128-byte swizzling");
 
@@ -73,6 +79,17 @@ __device__ __forceinline__ void tma_3d(void* dst, const CUtensorMap* map, uint64
 // wgmma shared-memory descriptor of a K-major tile with 128-byte swizzling (8-row core groups 1024 bytes apart).
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
   return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+// This CTA's (tile row slot, tile column). CTAs start in launch order, so consecutive ones take the tiles of a
+// band of kBand tile rows column by column: the ~132 CTAs resident at once share 8 A row tiles and ~17 B
+// tiles, which stay in L2, instead of sweeping one tile row across every B tile (which reads B from HBM once
+// per tile row when N x K is larger than L2).
+__device__ __forceinline__ void tile_of(int* slot, int* col) {
+  const int nt = gridDim.x, mt = gridDim.y, pid = blockIdx.y * nt + blockIdx.x;
+  const int band = pid / (kBand * nt), first = band * kBand, rows = min(kBand, mt - first);
+  const int within = pid - band * kBand * nt;
+  *slot = first + within % rows, *col = within / rows;
 }
 
 #define WGMMA_BODY \
@@ -192,16 +209,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* empty = full + kStages;
   __shared__ int64_t tile[3];  // first row, end of rows, group (-1: no tile)
 
+  int slot, col;
+  tile_of(&slot, &col);
   if (threadIdx.x == 0) {
-    int64_t row0 = int64_t(blockIdx.y) * kBM, row_end = p.m, group = row0 < p.m ? 0 : -1;
-    if (p.groups > 0) {  // tile slot blockIdx.y -> (group, rows): groups take ceil(size / 128) slots in order
+    int64_t row0 = int64_t(slot) * kBM, row_end = p.m, group = row0 < p.m ? 0 : -1;
+    if (p.groups > 0) {  // tile row slot -> (group, rows): groups take ceil(size / 128) slots in order
       int64_t at = 0, slots = 0;
       group = -1;
       for (int g = 0; g < p.groups; ++g) {
         const int64_t size = clamp_size(p.group_sizes[g], p.m - at);
         const int64_t t = cdiv(size, kBM);
-        if (int64_t(blockIdx.y) < slots + t) {
-          row0 = at + (int64_t(blockIdx.y) - slots) * kBM, row_end = at + size, group = g;
+        if (int64_t(slot) < slots + t) {
+          row0 = at + (int64_t(slot) - slots) * kBM, row_end = at + size, group = g;
           break;
         }
         slots += t, at += size;
@@ -215,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   const int64_t row0 = tile[0], row_end = tile[1], group = tile[2];
   if (group < 0) return;
-  const int n0 = blockIdx.x * kBN;
+  const int n0 = col * kBN;
   const int brow0 = int(group * p.n) + n0;
   const int ktiles = int(cdiv(p.k, kBK));
   const int wg = threadIdx.x / 128;
@@ -227,11 +246,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = kt % kStages;
         if (kt >= kStages) mbar_wait(&empty[s], ((kt / kStages) - 1) & 1);
         uint8_t* st = smem + s * kStageBytes;
-        mbar_expect_tx(&full[s], kStageBytes);
+        mbar_expect_tx(&full[s], kTxBytes);
         tma_2d(st, &tm_a, &full[s], kt * kBK, int(row0));
         tma_2d(st + kABytes, &tm_b, &full[s], kt * kBK, brow0);
-        tma_3d(st + kABytes + kBBytes, &tm_sa, &full[s], int(row0), 0, kt);
-        tma_3d(st + kABytes + kBBytes + kSABytes, &tm_sb, &full[s], brow0, 0, kt);
+        tma_3d(st + kABytes + kBBytes, &tm_sa, &full[s], int(row0) & ~3, 0, kt);
+        tma_3d(st + kABytes + kBBytes + kSABytes, &tm_sb, &full[s], brow0 & ~3, 0, kt);
       }
     }
     return;
@@ -249,8 +268,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_wait(&full[s], (kt / kStages) & 1);
     uint8_t* st = smem + s * kStageBytes;
     const uint32_t a_addr = smem_u32(st) + cw * 64 * kBK, b_addr = smem_u32(st + kABytes);
-    const float* sa = reinterpret_cast<const float*>(st + kABytes + kBBytes) + cw * 64;
-    const float* sb = reinterpret_cast<const float*>(st + kABytes + kBBytes + kSABytes);
+    const float* sa = reinterpret_cast<const float*>(st + kABytes + kBBytes) + (row0 & 3) + cw * 64;
+    const float* sb = reinterpret_cast<const float*>(st + kABytes + kBBytes + kSABytes) + (brow0 & 3);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {  // one MX block: 32 K = 32 bytes along the swizzled 128-byte rows
 #pragma unroll
@@ -261,10 +280,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
       for (int i = 0; i < 64; ++i) fence_operand(d[i]);
-      const float sa0 = sa[j * kBM + rl], sa1 = sa[j * kBM + rl + 8];
+      const float sa0 = sa[j * kSRows + rl], sa1 = sa[j * kSRows + rl + 8];
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
-        const float2 sbv = *reinterpret_cast<const float2*>(sb + j * kBN + 8 * i + cl);
+        const float2 sbv = *reinterpret_cast<const float2*>(sb + j * kSRows + 8 * i + cl);  // N, brow0 even
         acc[4 * i + 0] = fmaf(d[4 * i + 0], sa0 * sbv.x, acc[4 * i + 0]);
         acc[4 * i + 1] = fmaf(d[4 * i + 1], sa0 * sbv.y, acc[4 * i + 1]);
         acc[4 * i + 2] = fmaf(d[4 * i + 2], sa1 * sbv.x, acc[4 * i + 2]);
@@ -323,7 +342,7 @@ std::string make_map(CUtensorMap* map, const void* ptr, bool scales, int64_t row
     const int64_t ld = rows4(rows);
     const cuuint64_t dim[3] = {cuuint64_t(ld), 4, cuuint64_t(cdiv(k, kBK))};
     const cuuint64_t stride[2] = {cuuint64_t(ld * 4), cuuint64_t(ld * 16)};
-    const cuuint32_t box[3] = {kBM, 4, 1};
+    const cuuint32_t box[3] = {kSRows, 4, 1};
     r = enc(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, const_cast<void*>(ptr), dim, stride, box, ones,
             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_NONE,
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
