@@ -198,7 +198,7 @@ def _hopper() -> bool:
 
 
 # Whether "auto" takes the wgmma kernel. It passes every GPU test (dense and grouped) but is the slower path: on an
-# H100 (2026-11-25, one run) wgmma 364-376 TFLOP/s against dequantize + bf16 686-692 at 8192^3, 16384x4096x14336
+# H100 (2026-11-25, one run) wgmma 380-381 TFLOP/s against dequantize + bf16 695-723 at 8192^3, 16384x4096x14336
 # and 8192x4096x28672; the H100-preset training step 81.2 ms against 53.6 (docs/gemm.md).
 WGMMA_WINS = False
 
