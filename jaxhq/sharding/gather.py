@@ -78,6 +78,7 @@ class WeightSharding:
     name: str = ""
     batch: tuple = ()  # mesh axes the tokens of the GEMM operands are split on (the rules' "batch")
     reshard_after_forward: bool = True
+    sequence: tuple = ()  # mesh axes the rules split the length of activations on (sequence parallelism)
 
     def __post_init__(self):
         spec = tuple(None if not _axes(e) else _axes(e) for e in self.spec)
@@ -254,5 +255,6 @@ def weight_sharding(kernel_axes: LogicalAxes, name: str = "", *, mesh=None, rule
         return None
     rules = rules if rules is not None else current_rules()
     batch = _axes(mesh_axes(("batch",), rules, mesh)[0])
+    sequence = _axes(mesh_axes(("batch", "length"), rules, mesh)[1])
     return WeightSharding(mesh, tuple(mesh_axes(kernel_axes, rules, mesh)), gather, name, batch,
-                          _reshard_after_forward(reshard_after_forward))
+                          _reshard_after_forward(reshard_after_forward), sequence)
