@@ -14,7 +14,9 @@ backward). Targets: gathered bytes <= 0.55x bf16 for FP8/MXFP8 and <= 0.3x for N
 
 CPU (default): compiles only, on N host devices (--devices, default 8), and reads the bytes from the HLO.
 --gpu: all local GPUs on one axis per layout; also times the step (median of --iters after warm-up).
-other_gather_bytes: all-gathers that are not weight copies (activations; target 0 outside sp).
+other_gather_bytes: all-gathers that are not weight copies (activations; target 0 outside sp; under sp the
+quantized copies of the length-split activations). all_reduce_bytes, reduce_scatter_bytes: what the reductions
+of arrays produce per device (tp all-reduces the row-parallel outputs, sp reduce-scatters them).
 Prints a table and writes JSON (--out, default benchmarks/results/fsdp[_gpu].json).
 """
 from __future__ import annotations
@@ -141,6 +143,10 @@ def _weight_gathers(gathers, params):
             and _power_of_two(d * ff // math.prod(c.shape))]
 
 
+def _dtypes(cols) -> str:
+    return ",".join(f"{d}:{b}" for d, b in sorted(by_dtype(cols).items()))
+
+
 def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -171,14 +177,15 @@ def run(name, layout, params, x, timed):
         hlo = compiled.as_text()
         split = _split(loss_fn, args, params) if layout == "fsdp" else (None, [])
     gathers = collectives(hlo, "all-gather")
-    reduced = [c for kind in ("all-reduce", "reduce-scatter") for c in collectives(hlo, kind) if len(c.shape) > 1]
     weight_elems = sum(int(p[k].size) for p in params for k in ("up", "down"))
     wg = _weight_gathers(gathers, params)
+    other = [c for c in gathers if c not in wg]
     row = {"layout": layout, "variant": name, "weight_gather_bytes": sum(c.nbytes for c in wg),
            "bytes_per_weight_elem": sum(c.nbytes for c in wg) / weight_elems,
-           "gathers": len(wg), "weight_dtypes": ",".join(f"{d}:{b}" for d, b in sorted(by_dtype(wg).items())),
-           "other_gather_bytes": sum(c.nbytes for c in gathers) - sum(c.nbytes for c in wg),
-           "reduce_bytes": sum(c.nbytes for c in reduced)}
+           "gathers": len(wg), "weight_dtypes": _dtypes(wg),
+           "other_gather_bytes": sum(c.nbytes for c in other), "other_gather_dtypes": _dtypes(other)}
+    for kind in ("all-reduce", "reduce-scatter"):  # of arrays (not scalar amaxes), per device, by what they produce
+        row[kind.replace("-", "_") + "_bytes"] = sum(c.nbytes for c in collectives(hlo, kind) if len(c.shape) > 1)
     mem = compiled.memory_analysis()  # per device; None (or missing fields) on backends that do not report it
     row["temp_bytes"] = getattr(mem, "temp_size_in_bytes", None)
     row["arg_bytes"] = getattr(mem, "argument_size_in_bytes", None)
@@ -223,7 +230,8 @@ def main():
         r["target"] = t
         r["meets_target"] = None if t is None or "ratio_vs_bf16" not in r else bool(r["ratio_vs_bf16"] <= t)
     cols = ["layout", "variant", "weight_gather_bytes", "bytes_per_weight_elem", "ratio_vs_bf16", "target",
-            "meets_target", "gathers", "weight_dtypes", "other_gather_bytes", "reduce_bytes", "temp_bytes",
+            "meets_target", "gathers", "weight_dtypes", "other_gather_bytes", "other_gather_dtypes", "all_reduce_bytes",
+            "reduce_scatter_bytes", "temp_bytes",
             "fwd_to_bwd_bytes", "bwd_weight_gather_bytes"]
     cols += ["step_ms", "speedup_vs_bf16", "time_vs_xla_bf16"] if gpu or a.time else []
     print(f"\nSharded over {n} {jax.default_backend()} devices: {a.layers} blocks, d={d}, ff={ff}, "

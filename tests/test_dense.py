@@ -118,7 +118,7 @@ def test_bf16_recipe_is_plain_matmul_bit_for_bit():
 def test_residuals_hold_no_high_precision_copy(name):
     qs = recipes.get(name).dense_quantizers("m")
     x, w = rand(14, (M, K), jnp.bfloat16), rand(15, (K, N), jnp.bfloat16)
-    _, res = _dense_fwd(x, w, None, {}, jax.random.PRNGKey(0), qs, None)
+    _, res = _dense_fwd(x, w, None, {}, jax.random.PRNGKey(0), qs, None, None)
     leaves = jax.tree.leaves(res)
     hp = [a for a in leaves if a.dtype in (jnp.bfloat16, jnp.float32) and a.size >= min(M * K, K * N)]
     assert not hp, [(a.dtype, a.shape) for a in hp]
@@ -129,7 +129,7 @@ def test_residuals_hold_no_high_precision_copy(name):
 def test_identity_slot_saves_its_input():
     qs = DenseQuantizers(Hybrid(MXFP8(), Identity()), MXFP8(), MXFP8())
     x, w = rand(16, (M, K), jnp.bfloat16), rand(17, (K, N), jnp.bfloat16)
-    _, res = _dense_fwd(x, w, None, {}, None, qs, None)
+    _, res = _dense_fwd(x, w, None, {}, None, qs, None, None)
     assert any(a.dtype == jnp.bfloat16 and a.shape == (K, M) for a in jax.tree.leaves(res))
 
 

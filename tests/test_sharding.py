@@ -5,6 +5,8 @@ equal to the unsharded one on the (8 dp), (2 dp, 4 fsdp), (2 fsdp, 4 tp), (2 dp,
 Needs 8 devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (test_sharding_launch.py does
 that in a subprocess when the suite runs with fewer devices; here the tests skip).
 """
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -229,15 +231,6 @@ def test_delayed_scaling_state_is_global_under_fsdp():
 
 
 # -- the dense op: sharded == unsharded up to the GEMMs' summation order ----------------------------------------
-def _order_bound(a, b):
-    """Bound on |fl(a @ b) - fl'(a @ b)| for two summation orders (any tree, across devices too): each is within
-    K u |a_i|.|b_j| <= K u ||a_i|| ||b_j|| of the exact product (Higham), u = 2^-24; the GEMM reads dequantized
-    operands whose row norms exceed the inputs' by < 1.5x (FP4's worst rounding up is 6/5 per element, RHT
-    is orthonormal), hence 2 x 1.5^2 = 4.5 < 8."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return 8 * a.shape[1] * 2.0 ** -24 * np.outer(np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=0))
-
-
 @pytest.mark.parametrize("mesh_name, recipe_name", [
     pytest.param(m, r, marks=pytest.mark.slow if m == "dp8" and r != "fp8_current" else ())
     for m in MESHES for r in RECIPES])
@@ -268,8 +261,8 @@ def test_dense_op_sharded_equals_unsharded_up_to_summation_order(mesh_name, reci
     shard = (act(("batch", "embed")), act(("embed", "mlp")), act(("batch", "mlp")), act(("batch", "mlp")),
              act(("mlp", "embed")), act(("batch", "embed")))
     got = jax.jit(lambda *a: f_(*a, mesh))(*(jax.device_put(a, s) for a, s in zip(args, shard)))
-    bounds = [_order_bound(x1, w1), _order_bound(g1, w1.T), _order_bound(x1.T, g1),
-              _order_bound(x2, w2), _order_bound(g2, w2.T), _order_bound(x2.T, g2)]
+    bounds = [M.order_bound(x1, w1), M.order_bound(g1, w1.T), M.order_bound(x1.T, g1),
+              M.order_bound(x2, w2), M.order_bound(g2, w2.T), M.order_bound(x2.T, g2)]
     for name, a, b, bound in zip(["y1", "dx1", "dw1", "y2", "dx2", "dw2"], got, ref, bounds):
         diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
         assert np.all(diff <= bound), f"{name}: max diff/bound {np.max(diff / bound):.3g}"
@@ -353,15 +346,20 @@ def _step_hlo(recipe_name, mesh_name, sp=False):
 def test_gemms_gather_no_activation(monkeypatch, recipe_name, mesh_name, sp):
     """Every GEMM of the step (forward, dgrad, wgrad) is an FFI custom call (the CPU handlers: the same program
     structure as on a GPU), partitioned: tokens stay split, column- and row-parallel weights keep their split,
-    a split contraction is reduced; the only all-gathers left move the quantized FSDP weights."""
+    a split contraction is reduced; the only all-gathers left move the quantized FSDP weights. Under sequence
+    parallelism the length-split activations are gathered too, as uint8 codes; where a block along tokens would
+    straddle the length shards (a warning says so) in high precision, the residual stream's [L, D] rows."""
     if sp and "tp" not in mesh_name:
         pytest.skip("sequence parallelism splits the sequence on the tensor axis")
     monkeypatch.setenv("JAXHQ_KERNELS", "all")
-    hlo = _step_hlo(recipe_name, mesh_name, sp)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hlo = _step_hlo(recipe_name, mesh_name, sp)
     assert "jaxhq_gemm" in hlo, "the GEMMs did not run the FFI targets"
     bad = M.activation_gathers(hlo, MESHES[mesh_name].get("tensor", 1))
-    if sp:  # sequence parallelism gathers the residual stream's sequence before the column-parallel GEMMs
-        bad = [c for c in bad if c.shape[-2:] != (M.L, M.D)]
+    if sp:
+        fell_back = any("straddle" in str(w.message) for w in caught)
+        bad = [c for c in bad if c.dtype != "u8" and not (fell_back and c.shape[-2:] == (M.L, M.D))]
     assert not bad, f"activations gathered: {bad}"
 
 
@@ -484,7 +482,7 @@ def test_transformer_layers_sharded_step_equals_unsharded(mesh_name, recipe_name
     loss, grads = compiled(*placed)
     r_loss, r_grads = M.transformer_reference(recipe_name)
     e_loss, e_grads = M.transformer_reference("bf16")
-    frac = M.noise_fraction(recipe_name)
+    frac = M.noise_fraction(recipe_name, sequence_parallel=sp)
     _close(loss, r_loss, e_loss, "loss", frac)
     for (path, g), r, e in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(r_grads),
                                jax.tree.leaves(e_grads)):

@@ -16,8 +16,8 @@ import pytest
 HERE = pathlib.Path(__file__).resolve().parent
 
 # file: extra pytest arguments (test_moe_dispatch.py's one-device tests run in the ordinary suite)
-EIGHT_DEVICE_FILES = {"test_sharding.py": [], "test_gemm_sharding.py": [], "test_fsdp_reshard.py": [],
-                      "test_moe_dispatch.py": ["-k", "sharded"]}
+EIGHT_DEVICE_FILES = {"test_sharding.py": [], "test_sequence_parallel.py": [], "test_gemm_sharding.py": [],
+                      "test_fsdp_reshard.py": [], "test_moe_dispatch.py": ["-k", "sharded"]}
 
 
 @pytest.mark.parametrize("test_file", list(EIGHT_DEVICE_FILES))

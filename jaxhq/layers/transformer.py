@@ -4,7 +4,8 @@ The norms are fused into the first GEMM of each branch (attn.qkv is a LayerNormD
 attention has rotary embeddings and GQA, and `moe` (a MoEConfig) swaps the MLP for a mixture of experts.
 Roles: "<path>.attn.{qkv,dpa,proj}", "<path>.mlp.{fc1,fc2}" or "<path>.moe.experts_<g>.{fc1,fc2}".
 Under a mesh the residual stream is constrained to (batch, length, embed), so the rules decide where it lives
-(with `axis_rules(sequence_parallel=True)`, split on length over the tensor axis around the norms).
+(with `axis_rules(sequence_parallel=True)`, split on length over the tensor axis: the norms run on each device's
+tokens, qkv and fc1 gather their quantized inputs, proj and fc2 reduce-scatter their outputs).
 """
 from __future__ import annotations
 

@@ -13,6 +13,9 @@ its copies gathered as quantized bytes, the rowwise one for the forward, the col
 backward (the residual stays sharded, as FSDP frees gathered weights); see jaxhq/sharding/gather.py. With
 `reshard_after_forward=False` the forward gathers the columnwise copy too and saves it gathered, so the
 backward gathers nothing (FSDP2's option: the gather leaves the backward, the gathered copy stays in memory).
+Sequence parallelism: when the rules split the activations' length on the tensor axis, a column-parallel op
+quantizes its length-split input per shard and gathers the quantized copies, a row-parallel one reduce-scatters
+its output onto the length split, and the backward mirrors both; see jaxhq/sharding/sequence.py.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ..formats import COLUMNWISE, ROWWISE, QTensor, quantize, update_state
 from ..recipes import DenseQuantizers
+from ..sharding.sequence import sequence_plan
 from .gemm import gemm
 
 SLOTS = ("input", "weight", "grad_output")
@@ -64,16 +68,23 @@ def _new_state(qs, slot, state, qt):
     return None if state is None else update_state(getattr(qs, slot), state, qt)
 
 
-def _forward(x, kernel, bias, states, key, qs: DenseQuantizers, usage_x, usage_w, wsh=None):
-    x2d = x.reshape(-1, x.shape[-1])
+def _forward(x, kernel, bias, states, key, qs: DenseQuantizers, usage_x, usage_w, wsh=None, sp=None):
+    gathered = sp is not None and sp.gathers("input")
+    x2d = sp.tokens(x) if gathered else x.reshape(-1, x.shape[-1])
     kx, kw, _ = _keys(key)
-    qx = _quantize(x2d, qs, "input", usage_x, kx, states.get("input"))
+    quantize_x = lambda usage: _quantize(x2d, qs, "input", usage, kx, states.get("input"))  # noqa: E731
+    # sequence parallel: each device quantizes its tokens, the copies are all-gathered as quantized bytes
+    qx = sp.quantize(quantize_x, qs.input, usage_x, gather_columnwise=False) if gathered else quantize_x(usage_x)
     qw = _quantize(kernel.T, qs, "weight", usage_w, kw, states.get("weight"))
     if wsh is not None:  # sharding hook: keep the quantized copies sharded like the kernel
         qw = wsh.shard(qw)
     w_fwd = qw.rowwise if wsh is None else wsh.gathered(qw.rowwise)  # all-gather of quantized bytes
-    y = gemm(qx.rowwise, w_fwd, x.dtype, name="forward", roles=(qs.role("input"), qs.role("weight")),
-             fallback=qs.allow_dequantized_fallback)
+    fwd = functools.partial(gemm, out_dtype=x.dtype, name="forward", roles=(qs.role("input"), qs.role("weight")),
+                            fallback=qs.allow_dequantized_fallback)
+    if sp is not None and sp.scatters("forward"):  # row parallel: reduce-scattered onto the length split
+        y = sp.scatter_gemm(fwd, qx.rowwise, w_fwd, wsh.storage_spec(ROWWISE, gathered=True))
+    else:
+        y = fwd(qx.rowwise, w_fwd)
     if bias is not None:
         y = y + bias.astype(y.dtype)
     y = y.reshape(*x.shape[:-1], kernel.shape[1])
@@ -82,18 +93,18 @@ def _forward(x, kernel, bias, states, key, qs: DenseQuantizers, usage_x, usage_w
     return y, new, qx, qw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _dense(x, kernel, bias, states, key, qs, wsh):
-    y, new, _, _ = _forward(x, kernel, bias, states, key, qs, (ROWWISE,), (ROWWISE,), wsh)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _dense(x, kernel, bias, states, key, qs, wsh, sp):
+    y, new, _, _ = _forward(x, kernel, bias, states, key, qs, (ROWWISE,), (ROWWISE,), wsh, sp)
     return y, new
 
 
 QUANTIZED_RESIDUAL = "jaxhq_quantized_residual"  # the checkpoint name of the copies the backward GEMMs read
 
 
-def _dense_fwd(x, kernel, bias, states, key, qs, wsh):
+def _dense_fwd(x, kernel, bias, states, key, qs, wsh, sp):
     y, new, qx, qw = _forward(x, kernel, bias, states, key, qs, (ROWWISE, COLUMNWISE), (ROWWISE, COLUMNWISE),
-                              wsh)
+                              wsh, sp)
     saved_x = QTensor(columnwise=qx.columnwise, shape=qx.shape, dtype=qx.dtype)
     w_col = qw.columnwise  # saved sharded like the kernel (FSDP frees the gathered copy) ...
     if wsh is not None and not wsh.reshard_after_forward:
@@ -105,24 +116,34 @@ def _dense_fwd(x, kernel, bias, states, key, qs, wsh):
     return (y, new), (saved_x, saved_w, states, key, meta)
 
 
-def _dense_bwd(qs, wsh, res, cts):
+def _dense_bwd(qs, wsh, sp, res, cts):
     saved_x, saved_w, states_in, key, (x_shape, x_dtype, k_dtype, b_dtype) = res
     dy_state = states_in.get("grad_output")
     dy = cts[0]
-    dy2d = dy.reshape(-1, dy.shape[-1])
+    gathered = sp is not None and sp.gathers("grad_output")
+    dy2d = sp.tokens(dy) if gathered else dy.reshape(-1, dy.shape[-1])
     _, _, kdy = _keys(key)
-    qdy = _quantize(dy2d, qs, "grad_output", (ROWWISE, COLUMNWISE), kdy, dy_state)
+    quantize_dy = lambda usage: _quantize(dy2d, qs, "grad_output", usage, kdy, dy_state)  # noqa: E731
+    both = (ROWWISE, COLUMNWISE)
+    qdy = sp.quantize(quantize_dy, qs.grad_output, both) if gathered else quantize_dy(both)
     w_col = saved_w.columnwise
     if wsh is not None and wsh.reshard_after_forward:
         w_col = wsh.gathered(w_col)  # the residual was saved sharded: re-gathered
-    dx = gemm(qdy.rowwise, w_col, x_dtype, name="dgrad",
-              roles=(qs.role("grad_output"), qs.role("weight")), fallback=qs.allow_dequantized_fallback)
+    dgrad = functools.partial(gemm, out_dtype=x_dtype, name="dgrad", roles=(qs.role("grad_output"), qs.role("weight")),
+                              fallback=qs.allow_dequantized_fallback)
+    if sp is not None and sp.scatters("dgrad"):  # column parallel: reduce-scattered onto the length split
+        dx = sp.scatter_gemm(dgrad, qdy.rowwise, w_col, wsh.storage_spec(COLUMNWISE, gathered=True))
+    else:
+        dx = dgrad(qdy.rowwise, w_col)
+    x_col = saved_x.columnwise
+    if sp is not None and sp.gathers("input"):
+        x_col = sp.columnwise(x_col, qs.input)  # the residual, gathered
     wgrad = functools.partial(gemm, out_dtype=k_dtype, name="wgrad", roles=(qs.role("input"), qs.role("grad_output")),
                               fallback=qs.allow_dequantized_fallback)
     if wsh is None:
-        dw = wgrad(saved_x.columnwise, qdy.columnwise)
+        dw = wgrad(x_col, qdy.columnwise)
     else:  # per-device partial GEMM over local tokens, reduce-scattered into the kernel's layout
-        dw = wsh.wgrad(wgrad, saved_x.columnwise, qdy.columnwise)
+        dw = wsh.wgrad(wgrad, x_col, qdy.columnwise)
     db = None if b_dtype is None else jnp.sum(dy2d.astype(jnp.float32), axis=0).astype(b_dtype)
     # "The gradient is the new state": the cotangent of the grad_output state is its next value.
     d_states = {k: jax.tree.map(jnp.zeros_like, v) for k, v in states_in.items()}
@@ -146,6 +167,7 @@ def dense(x, kernel, bias=None, *, quantizers: DenseQuantizers, states: Optional
     _check(x, kernel, bias, quantizers)
     if weight_sharding is not None:  # trace-time: no quantization block may straddle two shards
         weight_sharding.check(quantizers.weight, kernel.shape, role=quantizers.role("weight"))
+    plan = sequence_plan(weight_sharding, x.shape, quantizers, kernel.shape[1])
     states = dict(states or {})
-    y, new = _dense(x, kernel, bias, states, key, quantizers, weight_sharding)
+    y, new = _dense(x, kernel, bias, states, key, quantizers, weight_sharding, plan)
     return (y, new) if return_state else y

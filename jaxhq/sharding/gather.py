@@ -36,6 +36,17 @@ class ShardingError(QuantizationError):
     """A weight whose shards cut through its quantization blocks (or cannot be split evenly)."""
 
 
+def raw_bits(a):
+    """(a's bits as unsigned ints of its width, the function that turns such bits back into a's dtype) for 1- and
+    2-byte floats; (a, identity) otherwise. Collectives move the bits unchanged, where the CPU backend would widen
+    FP8/E8M0 to f16/f32 and bf16 to f32 to move them."""
+    dt = a.dtype
+    raw = _RAW.get(dt.itemsize) if jnp.issubdtype(dt, jnp.floating) else None
+    if raw is None:
+        return a, lambda b: b
+    return jax.lax.bitcast_convert_type(a, raw), lambda b: jax.lax.bitcast_convert_type(b, dt)
+
+
 def block_shape(quantizer) -> tuple:
     """(rows, cols) of one scaling block of a plain quantizer's copy; (1, 1) for per-tensor and Identity."""
     if isinstance(quantizer, MXFP8):
@@ -67,6 +78,7 @@ class WeightSharding:
     name: str = ""
     batch: tuple = ()  # mesh axes the tokens of the GEMM operands are split on (the rules' "batch")
     reshard_after_forward: bool = True
+    sequence: tuple = ()  # mesh axes the rules split the length of activations on (sequence parallelism)
 
     def __post_init__(self):
         spec = tuple(None if not _axes(e) else _axes(e) for e in self.spec)
@@ -150,12 +162,9 @@ class WeightSharding:
         def fn(a, axis):
             if a is None or a.ndim == 0:
                 return a
-            dt = a.dtype
-            raw = _RAW.get(dt.itemsize) if jnp.issubdtype(dt, jnp.floating) else None
-            b = a if raw is None else jax.lax.bitcast_convert_type(a, raw)
+            b, back = raw_bits(a)
             b = self._constrain(b, self.storage_spec(axis))
-            b = self._constrain(b, self.storage_spec(axis, gathered=True))
-            return b if raw is None else jax.lax.bitcast_convert_type(b, dt)
+            return back(self._constrain(b, self.storage_spec(axis, gathered=True)))
         return self._storage(s, fn)
 
     def constrain_grad(self, dw):
@@ -246,5 +255,6 @@ def weight_sharding(kernel_axes: LogicalAxes, name: str = "", *, mesh=None, rule
         return None
     rules = rules if rules is not None else current_rules()
     batch = _axes(mesh_axes(("batch",), rules, mesh)[0])
+    sequence = _axes(mesh_axes(("batch", "length"), rules, mesh)[1])
     return WeightSharding(mesh, tuple(mesh_axes(kernel_axes, rules, mesh)), gather, name, batch,
-                          _reshard_after_forward(reshard_after_forward))
+                          _reshard_after_forward(reshard_after_forward), sequence)

@@ -12,7 +12,7 @@ data/fsdp/expert first (so an activation's embed axis stays whole), heads/mlp/vo
 | expert | expert | expert parallel (GroupedDense kernels [expert, embed, mlp]) |
 | heads, mlp | tensor | Megatron: column-parallel qkv/up, row-parallel out/down |
 | vocab | tensor | embedding / LM head split on the vocabulary |
-| length | tensor if sequence_parallel else unsharded | sequence parallel between blocks |
+| length | tensor if sequence_parallel else unsharded | sequence parallel: the residual stream split on length |
 | embed | fsdp | FSDP: weights sharded on their embed axis, gathered for use |
 | kv | unsharded | head dim |
 """
