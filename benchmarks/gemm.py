@@ -10,6 +10,7 @@ A shape is MxKxN (out[M, N] = A[M, K] @ B[N, K].T).
 """
 from __future__ import annotations
 
+import functools
 import gc
 import time
 
@@ -27,9 +28,14 @@ GROUPS = 8
 SHAPES = [(8192, 8192, 8192), (16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096)]  # (M, K, N)
 
 
+@functools.lru_cache(maxsize=None)
+def _quantizer(fmt):
+    """One jitted program per format: x -> its rowwise copy in fmt."""
+    return jax.jit(lambda t: quantize(t, fmt, "rowwise").rowwise)
+
+
 def _q(x, fmt):
-    """The rowwise copy of x in fmt, quantized by one jitted program."""
-    return jax.jit(lambda t: quantize(t, fmt, "rowwise").rowwise)(x)
+    return _quantizer(fmt)(x)
 
 
 def variants(m, k, n, key, xla_scaled=False):

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Optional
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .gather import ShardingError, WeightSharding, _axes, _reshard_after_forward
+from .gather import ShardingError, WeightSharding, _axes, _reshard_after_forward, mesh_ways
 from .rules import LogicalAxes, current_mesh, current_rules, mesh_axes
 
 
@@ -40,8 +39,7 @@ class ExpertSharding:
 
     @property
     def ways(self) -> int:
-        sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
-        return math.prod(sizes[a] for a in self.axes)
+        return mesh_ways(self.mesh, self.axes)
 
     @property
     def spmd_axis_name(self):
@@ -64,8 +62,7 @@ class ExpertSharding:
     @property
     def token_shards(self) -> int:
         """How many pieces the tokens are split into outside the experts (over the `batch` axes)."""
-        sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
-        return math.prod(sizes[a] for a in self.batch)
+        return mesh_ways(self.mesh, self.batch)
 
     @property
     def exchanges(self) -> bool:

@@ -62,6 +62,12 @@ def _axes(entry) -> tuple:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def mesh_ways(mesh, entry) -> int:
+    """How many ways the mesh axes of a PartitionSpec entry (None, a name or a tuple of names) split a dim."""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    return math.prod(sizes[a] for a in _axes(entry))
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightSharding:
     """Layout of a dense kernel [in, out] on a mesh and the mesh axes gathered before its GEMMs.
@@ -93,7 +99,7 @@ class WeightSharding:
         return dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
 
     def ways(self, entry) -> int:
-        return math.prod(self.sizes[a] for a in _axes(entry))
+        return mesh_ways(self.mesh, entry)
 
     def kernel_spec(self, gathered: bool = False) -> PartitionSpec:
         return PartitionSpec(*(self._keep(e) if gathered else e for e in self.spec))

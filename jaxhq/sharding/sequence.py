@@ -19,7 +19,6 @@ tensor falls back to the partitioner's high-precision path, with a warning that 
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from typing import Any, Optional
 
@@ -28,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..formats import (COLUMNWISE, ROWWISE, USAGES, Float8CurrentScaling, Float8DelayedScaling, Identity, QTensor,
                        Storage, normalize, side)
-from .gather import _axes, block_shape, raw_bits
+from .gather import _axes, block_shape, mesh_ways, raw_bits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,17 +55,13 @@ class SequencePlan:
         """Whether the GEMM `gemm_name` (forward or dgrad) is reduce-scattered onto the length split."""
         return self.scattered and gemm_name == ("dgrad" if self.column else "forward")
 
-    def _ways(self, axes) -> int:
-        sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
-        return math.prod(sizes[a] for a in _axes(axes))
-
     @property
     def ways(self) -> int:
-        return self._ways(self.axes)
+        return mesh_ways(self.mesh, self.axes)
 
     @property
     def local_batch(self) -> int:
-        return self.lead[0] // self._ways(self.batch)
+        return self.lead[0] // mesh_ways(self.mesh, self.batch)
 
     def _sharding(self, *spec):
         return NamedSharding(self.mesh, PartitionSpec(*spec))
@@ -141,7 +136,7 @@ class SequencePlan:
             return dataclasses.replace(s, shape=(s.shape[0] // rows_ways, s.shape[1] // tp))
 
         def body(a, b):
-            y = gemm_fn(local(a, self._ways(self.batch)), local(b, self._ways(b_spec[0])))
+            y = gemm_fn(local(a, mesh_ways(self.mesh, self.batch)), local(b, mesh_ways(self.mesh, b_spec[0])))
             y = y.reshape(nb, tp, length // tp, y.shape[-1])
             y = jax.lax.psum_scatter(y, self.axes, scatter_dimension=1, tiled=True)
             return y.reshape(nb, length // tp, y.shape[-1])
