@@ -381,3 +381,29 @@ def test_rht_butterfly_is_the_hadamard_matrix():
                                atol=1e-6)
     np.testing.assert_allclose(np.asarray(apply_rht(jnp.asarray(x), inverse=True)), (blocks @ t).reshape(8, 64),
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2],
+                         ids=lambda d: jnp.dtype(d).name)
+def test_abs_max_is_numpys_with_nan_propagated(dtype):
+    """abs_max (the integer max of the |x| bit patterns) and abs_max_f32 against numpy's max |x| in float64,
+    over whole arrays and along the last axis: negative zeros, infinities, and a NaN anywhere (canonical NaN
+    from abs_max; any NaN from abs_max_f32)."""
+    from jaxhq.formats.base import abs_max, abs_max_f32
+    x = np.array((jax.random.normal(jax.random.key(5), (48, 80), jnp.float32) * 7).astype(dtype))
+    x[0, :] = -0.0
+    cases = [x]
+    if dtype != jnp.float8_e4m3fn:  # E4M3FN has no infinity
+        y = x.copy(); y[5, 7] = -np.inf; cases.append(y)
+    z = x.copy(); z[11, 3] = np.nan; cases.append(z)
+    for c in cases:
+        ref = np.abs(c.astype(np.float64))
+        got_rows = np.asarray(abs_max(jnp.asarray(c), axis=-1), np.float64)
+        np.testing.assert_array_equal(got_rows, ref.max(axis=-1))
+        full = abs_max(jnp.asarray(c))
+        np.testing.assert_array_equal(np.float64(full), ref.max())
+        np.testing.assert_array_equal(np.float64(abs_max_f32(jnp.asarray(c))), ref.max())
+        assert abs_max_f32(jnp.asarray(c)).dtype == jnp.float32
+        if np.isnan(ref.max()) and jnp.dtype(dtype).itemsize > 1:  # FP8 NaN codes differ between converters
+            canon = np.asarray(jnp.asarray(np.nan, dtype)).reshape(1)
+            assert np.asarray(full).reshape(1).view(np.uint8).tobytes() == canon.view(np.uint8).tobytes()

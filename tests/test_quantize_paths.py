@@ -11,7 +11,7 @@ import pytest
 
 import jaxhq
 import jaxhq.ffi
-from jaxhq.formats import MXFP8, Float8Block, Float8CurrentScaling, Hybrid, quantize
+from jaxhq.formats import MXFP8, NVFP4, Float8Block, Float8CurrentScaling, Hybrid, quantize
 from jaxhq.formats.quantize import DEFAULT_PATHS, copy_path, quantize_paths
 
 pytestmark = pytest.mark.skipif(not jaxhq.ffi.available("cpu"), reason="the FFI extension is not built")
@@ -63,21 +63,31 @@ def test_hybrid_sides_take_their_own_path(kernels_everywhere):
                                               err_msg=f"{spec} {axis}.{f}")
 
 
-def test_amax_path(kernels_everywhere):
-    x = jax.random.normal(jax.random.key(1), (128, 320), jnp.float32).astype(jnp.bfloat16)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("q", [Float8CurrentScaling(), NVFP4(block_2d=True),
+                               Hybrid(Float8CurrentScaling(), NVFP4())], ids=lambda q: q.label)
+def test_amax_path(kernels_everywhere, q, dtype):
+    """The amax from the jaxhq_amax kernel or from XLA's reduction (the integer max of the |x| bit patterns, the
+    kernel given its NaN as it comes): the same copies bit for bit, a canonical NaN amax when x holds a NaN."""
+    x = jax.random.normal(jax.random.key(1), (128, 320), jnp.float32).astype(dtype)
     x = x.at[3, 5].set(-1e4)  # the amax
-    out = {}
-    for spec, amax_calls in (("amax=kernel", 1), ("amax=xla", 0)):
-        kernels_everywhere.setenv("JAXHQ_QUANTIZE_PATH", spec)
-        hlo, qt = _hlo_and_copies(Float8CurrentScaling(), x)
-        assert hlo.count("jaxhq_amax") == amax_calls and hlo.count("jaxhq_quantize") == 1, spec
-        out[spec] = qt
-    a, b = out["amax=kernel"], out["amax=xla"]
-    assert float(a.rowwise.amax) == float(b.rowwise.amax) == float(jnp.bfloat16(1e4))
-    np.testing.assert_array_equal(np.asarray(a.rowwise.data).view(np.uint8), np.asarray(b.rowwise.data).view(np.uint8))
-    kernels_everywhere.setenv("JAXHQ_QUANTIZE_PATH", "amax=xla")
-    nan = quantize(x.at[0, 0].set(jnp.nan), Float8CurrentScaling())
-    assert bool(jnp.isnan(nan.rowwise.amax))
+    for xi in (x, x.at[0, 0].set(jnp.nan), x.at[9, 1].set(-jnp.inf)):
+        out = {}
+        for spec, amax_calls in (("amax=kernel", 1), ("amax=xla", 0)):
+            kernels_everywhere.setenv("JAXHQ_QUANTIZE_PATH", spec)
+            hlo, qt = _hlo_and_copies(q, xi)
+            assert hlo.count("jaxhq_amax") == amax_calls and hlo.count("jaxhq_quantize") == 1, spec
+            out[spec] = qt
+        for axis in ("rowwise", "columnwise"):
+            a, b = out["amax=kernel"].get(axis), out["amax=xla"].get(axis)
+            for f in ("data", "scale_inv", "amax"):
+                np.testing.assert_array_equal(np.asarray(getattr(a, f)).reshape(-1).view(np.uint8),
+                                              np.asarray(getattr(b, f)).reshape(-1).view(np.uint8),
+                                              err_msg=f"{axis}.{f}")
+            expect = np.nan if jnp.isnan(xi).any() else np.inf if jnp.isinf(xi).any() else float(dtype(1e4))
+            np.testing.assert_array_equal(np.asarray(b.amax), np.float32(expect))
+            if np.isnan(expect):  # the canonical NaN, as formats.base.abs_max gives it
+                assert np.asarray(b.amax).view(np.uint32) == np.float32(np.nan).view(np.uint32)
 
 
 def test_plan_shows_the_path(kernels_everywhere):

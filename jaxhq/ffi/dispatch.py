@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from ..formats import fp8 as _fp8
 from ..formats import nvfp4 as _nv
-from ..formats.base import COLUMNWISE, ROWWISE, USAGES, Storage
+from ..formats.base import COLUMNWISE, ROWWISE, USAGES, Storage, abs_max_f32
 from ..formats.fp8 import Float8CurrentScaling, Float8DelayedScaling
 from ..formats.fp8_block import Float8Block
 from ..formats.hybrid import Hybrid, side
@@ -78,11 +78,15 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     delayed = {a for a, v in ids.items() if v is not None and isinstance(side(quantizer, a), Float8DelayedScaling)}
     need_amax = any(v is not None and v[0] in (P.FP8_TENSOR, P.NVFP4) and a not in delayed for a, v in ids.items())
     need_rht = any(v is not None and v[0] == P.NVFP4 and v[1] & P.OPT_RHT for v in ids.values())
-    amax_plain = amax_rht = None
+    # On the "xla" amax path the amax is a jnp reduction that XLA fuses into the op producing x (x is not read
+    # again). The kernel computes the scale from a NaN amax whatever its bits, so it takes the reduction's own
+    # result (`raw`, no small kernel after the reduction); the Storage records the canonical NaN.
+    amax_plain = amax_rht = raw = None
     if amax is not None:
         amax_plain = amax_rht = jnp.asarray(amax, jnp.float32)
     elif need_amax and not need_rht and quantize_paths()["amax"] == "xla":
-        amax_plain = _fp8.tensor_amax(x2d)  # XLA's reduction, fusable into x's producer
+        raw = abs_max_f32(x2d)
+        amax_plain = P.canonical_nan(raw)
     elif need_amax:
         amax_plain, amax_rht = PT.amax(x2d, rht=need_rht)
 
@@ -101,7 +105,7 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
                     return None  # the reference raises the helpful error
                 s = st["scale"]
             elif eps is None or eps == q.amax_epsilon:  # one eps per launch
-                eps, s = q.amax_epsilon, amax_plain
+                eps, s = q.amax_epsilon, amax_plain if raw is None else raw
             else:
                 s = _fp8.scale_from_amax(amax_plain, q.fmt, q.amax_epsilon, q.power_2_scale)
                 ids[a] = (P.FP8_TENSOR, v[1] & ~(P.OPT_FROM_AMAX | P.OPT_POW2))

@@ -134,15 +134,18 @@ __device__ __forceinline__ void write_scale_inv(const Params& p, int64_t b, cons
 // Side s's copy: N values (16 or 8) of copy row gr from column gc, their block's amax given (block formats) and
 // the copy's scalar (copy_scalar), encoded and stored; the chunk that starts a block also writes the block's
 // scale. Both kernels call this, so the numerics (numerics.h, as the CPU handlers) and the layouts are written
-// once.
-template <int N, typename T>
+// once. F: the side's format when the caller fixes it at compile time (only that format's code is emitted), or
+// kAnyFormat to read it from the parameters.
+constexpr int kAnyFormat = -1;
+template <int N, typename T, int F = kAnyFormat>
 __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, int64_t gr, int64_t gc, float amax,
                                              float tscale, const float (&v)[N]) {
   const SideParams& sp = p.side[s];
+  const int fmt = F == kAnyFormat ? sp.fmt : F;
   const int64_t C = sp.C;
   uint8_t* data = sp.data + b * sp.dbytes;
   uint8_t* scale = sp.scale + b * sp.sbytes;
-  if (sp.fmt == kNvfp4) {
+  if (fmt == kNvfp4) {
     const uint8_t sbyte = nvfp4_scale_byte(amax, tscale);  // the scale's E4M3 byte; dec is its value
     const float dec = e4m3_value(sbyte);
     if (gc % 16 == 0) scale[gr * ((C + 15) / 16) + gc / 16] = sbyte;
@@ -155,17 +158,17 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
   }
   const bool e5 = sp.opts & kE5M2;
   float mult;
-  if (sp.fmt == kFp8Tensor) {
+  if (fmt == kFp8Tensor) {
     mult = tscale;
-  } else if (sp.fmt == kMxfp8) {
+  } else if (fmt == kMxfp8) {
     const uint8_t e = e8m0_round_up(round_to_dtype_sw(mx_q(amax, e5), dtype_id<T>()));
     mult = e8m0_reciprocal(e);
     if (gc % 32 == 0) scale[gr * ((C + 31) / 32) + gc / 32] = e;
   } else {  // FP8 blockwise: 1x128 (a scale per row and 128 columns) or 128x128
     mult = block_scale(amax, sp.opts & kPow2);
     const int64_t nb = (C + 127) / 128;
-    if (gc % 128 == 0 && (sp.fmt == kFp8Block1 || gr % 128 == 0))
-      reinterpret_cast<float*>(scale)[(sp.fmt == kFp8Block1 ? gr : gr / 128) * nb + gc / 128] = div_ref(1.0f, mult);
+    if (gc % 128 == 0 && (fmt == kFp8Block1 || gr % 128 == 0))
+      reinterpret_cast<float*>(scale)[(fmt == kFp8Block1 ? gr : gr / 128) * nb + gc / 128] = div_ref(1.0f, mult);
   }
   uint8_t out[N];
 #pragma unroll

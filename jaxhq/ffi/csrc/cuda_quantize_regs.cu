@@ -59,7 +59,43 @@ __device__ __forceinline__ uint32_t element(const uint32_t (&w)[8][4], int s, in
   return s == 0 ? half_of(w[t][e / 2], e % 2) : half_of(w[e][t / 2], t % 2);
 }
 
-template <typename T>
+// Side s's copy (format F, fixed at compile time) of this thread's 8 copy rows: block amaxes from the partials,
+// then encode_chunk.
+template <typename T, int F>
+__device__ __forceinline__ void encode_side(const Params& p, const RegSmem& sm, int s, int64_t b, int rg, int cg,
+                                            int64_t r0, int64_t c0, const uint32_t (&w)[8][4], float ts) {
+  if constexpr (F != kNone) {
+    const SideParams& sp = p.side[s];
+    const int cr0 = s == 0 ? 8 * rg : 8 * cg;  // this thread's first copy row in the tile
+    const int grp = s == 0 ? cg : rg;          // its 8-element group along the copy row
+    const int64_t tr0 = s == 0 ? r0 : c0, gc = (s == 0 ? c0 : r0) + 8 * grp;  // in the copy
+    const uint32_t* part = sm.part[s];
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      const int cr = cr0 + t;
+      const int64_t gr = tr0 + cr;
+      if (gr >= sp.R || gc >= sp.C) continue;
+      float v[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = bits_to_f32<T>(element(w, s, t, e));
+      uint32_t a = 0u;  // the block's max |x| pattern
+      if constexpr (F == kMxfp8) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a = maxu(a, part[cr * kPart + (grp & ~3) + i]);
+      } else if constexpr (F == kFp8Block1) {
+        a = sm.full[s][cr];
+      } else if constexpr (F == kFp8Block2) {
+        a = sm.tile;
+      }
+      encode_chunk<8, T, F>(p, s, b, gr, gc, bits_to_f32<T>(a), ts, v);
+    }
+  }
+}
+
+// F0, F1: the rowwise and columnwise formats (kNone: that copy is not made), fixed per instantiation so that a
+// kernel holds only its formats' code (one kernel for every pair was 44k instructions, and warps waited on the
+// instruction cache).
+template <typename T, int F0, int F1>
 __global__ void __launch_bounds__(kThreads) quantize_regs_kernel(Params p) {
   RegSmem& sm = *dynamic_smem<RegSmem>();
   const int64_t b = blockIdx.z;
@@ -96,8 +132,8 @@ __global__ void __launch_bounds__(kThreads) quantize_regs_kernel(Params p) {
   if (p.amax) cta_amax_finish(sm.xamax, kThreads / 32, p.amax + b);
 
   // 1x128 and 128x128 blocks need the whole tile row / the whole tile.
-  const int f0 = p.side[0].fmt, f1 = p.side[1].fmt;
-  if (f0 == kFp8Block1 || f1 == kFp8Block1 || f0 == kFp8Block2 || f1 == kFp8Block2) {
+  constexpr bool kRowBlocks = F0 == kFp8Block1 || F1 == kFp8Block1 || F0 == kFp8Block2 || F1 == kFp8Block2;
+  if constexpr (kRowBlocks) {
     const int s = threadIdx.x / kTile, cr = threadIdx.x % kTile;
     uint32_t a = 0u;
     for (int g = 0; g < 16; ++g) a = maxu(a, sm.part[s][cr * kPart + g]);
@@ -105,42 +141,39 @@ __global__ void __launch_bounds__(kThreads) quantize_regs_kernel(Params p) {
     if (s == 0) atomicMax(&sm.tile, a);
     __syncthreads();
   }
+  encode_side<T, F0>(p, sm, 0, b, rg, cg, r0, c0, w, ts[0]);
+  encode_side<T, F1>(p, sm, 1, b, rg, cg, r0, c0, w, ts[1]);
+}
 
-#pragma unroll
-  for (int s = 0; s < 2; ++s) {
-    const SideParams& sp = p.side[s];
-    if (sp.fmt == kNone) continue;
-    const int cr0 = s == 0 ? 8 * rg : 8 * cg;  // this thread's first copy row in the tile
-    const int grp = s == 0 ? cg : rg;          // its 8-element group along the copy row
-    const int64_t tr0 = s == 0 ? r0 : c0, gc = (s == 0 ? c0 : r0) + 8 * grp;  // in the copy
-    const uint32_t* part = sm.part[s];
-#pragma unroll
-    for (int t = 0; t < 8; ++t) {
-      const int cr = cr0 + t;
-      const int64_t gr = tr0 + cr;
-      if (gr >= sp.R || gc >= sp.C) continue;
-      float v[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] = bits_to_f32<T>(element(w, s, t, e));
-      uint32_t a = 0u;  // the block's max |x| pattern
-      if (sp.fmt == kMxfp8) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) a = maxu(a, part[cr * kPart + (grp & ~3) + i]);
-      } else if (sp.fmt == kFp8Block1) {
-        a = sm.full[s][cr];
-      } else if (sp.fmt == kFp8Block2) {
-        a = sm.tile;
-      }
-      encode_chunk<8, T>(p, s, b, gr, gc, bits_to_f32<T>(a), ts[s], v);
-    }
+template <typename T, int F0, int F1>
+std::string launch_pair(const Params& p, int64_t batch, cudaStream_t s) {
+  dim3 grid(unsigned((p.k + kTile - 1) / kTile), unsigned((p.m + kTile - 1) / kTile), unsigned(batch));
+  launch_kernel(quantize_regs_kernel<T, F0, F1>, grid, dim3(kThreads), sizeof(RegSmem), s, p);
+  return cuda_status();
+}
+
+// The instantiation for the columnwise format f1 (the rowwise one F0 fixed).
+template <typename T, int F0>
+std::string launch_col(const Params& p, int f1, int64_t batch, cudaStream_t s) {
+  switch (f1) {
+    case kNone: return launch_pair<T, F0, kNone>(p, batch, s);
+    case kFp8Tensor: return launch_pair<T, F0, kFp8Tensor>(p, batch, s);
+    case kMxfp8: return launch_pair<T, F0, kMxfp8>(p, batch, s);
+    case kFp8Block1: return launch_pair<T, F0, kFp8Block1>(p, batch, s);
+    default: return launch_pair<T, F0, kFp8Block2>(p, batch, s);
   }
 }
 
 template <typename T>
 std::string launch_t(const Params& p, int64_t batch, cudaStream_t s) {
-  dim3 grid(unsigned((p.k + kTile - 1) / kTile), unsigned((p.m + kTile - 1) / kTile), unsigned(batch));
-  launch_kernel(quantize_regs_kernel<T>, grid, dim3(kThreads), sizeof(RegSmem), s, p);
-  return cuda_status();
+  const int f1 = p.side[1].fmt;
+  switch (p.side[0].fmt) {
+    case kNone: return launch_col<T, kNone>(p, f1, batch, s);
+    case kFp8Tensor: return launch_col<T, kFp8Tensor>(p, f1, batch, s);
+    case kMxfp8: return launch_col<T, kMxfp8>(p, f1, batch, s);
+    case kFp8Block1: return launch_col<T, kFp8Block1>(p, f1, batch, s);
+    default: return launch_col<T, kFp8Block2>(p, f1, batch, s);
+  }
 }
 
 }  // namespace
