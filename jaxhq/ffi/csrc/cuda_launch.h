@@ -9,9 +9,9 @@ namespace jaxhq {
 std::string launch_amax(const void* x, int32_t dtype, int64_t batch, int64_t m, int64_t k, bool rht, float* amax,
                         float* amax_rht, void* stream);
 std::string launch_quantize(const QuantizeArgs& a, void* stream);  // the variant JAXHQ_QUANTIZE_VARIANT names
-// Variants of the quantize kernel (same results). The tile kernel with alternating or batched loads of its
-// shared-memory tile; the register-tile kernel (16-bit inputs without RHT; other calls take the tile kernel).
-enum QuantizeVariant : int { kAlternatingLoad = 0, kBatchedLoad = 1, kRegisterTile = 2 };
+// Variants of the quantize kernel (same results): the shared-memory tile kernel for every call, or the
+// register-tile kernel (16-bit inputs, FP8 formats; it hands the other calls to the tile kernel).
+enum QuantizeVariant : int { kAlternatingLoad = 0, kRegisterTile = 2 };
 std::string launch_quantize(const QuantizeArgs& a, void* stream, int variant);
 std::string launch_dequantize(const DequantizeArgs& a, void* stream);
 }  // namespace jaxhq

@@ -48,37 +48,21 @@ __device__ __forceinline__ void load8(const T* __restrict__ x, int64_t m, int64_
   }
 }
 
-// The tile [r0, r0+128) x [c0, c0+128) of x into shared memory. kBatched: every load of the thread is issued
-// before the first shared-memory store (8 x 16 B in flight per thread instead of one: latency hiding);
-// otherwise load and store alternate (the version the first H100 run measured).
-template <typename T, bool kBatched>
+// The tile [r0, r0+128) x [c0, c0+128) of x into shared memory: each thread loads 16 bytes and stores them before
+// its next load (issuing all 8 loads first measured slower once the FP8 formats moved to the register-tile kernel).
+template <typename T>
 __device__ __forceinline__ void load_tile(const T* __restrict__ x, int64_t m, int64_t k, int64_t r0, int64_t c0,
                                           T* tile) {
-  constexpr int kStride = Smem<T>::kStride, kIters = kTile * kTile / 8 / kThreads;
+  constexpr int kStride = Smem<T>::kStride;
   const bool vec_ok = (k * sizeof(T)) % 16 == 0;
-  auto store = [&](int idx, const uint4 (&raw)[sizeof(T) / 2]) {
+  for (int idx = threadIdx.x; idx < kTile * kTile / 8; idx += kThreads) {
     const int r = idx / (kTile / 8), c = (idx % (kTile / 8)) * 8;
+    uint4 raw[sizeof(T) / 2];
+    load8<T>(x, m, k, r0 + r, c0 + c, vec_ok, raw);
     T v[8];
     memcpy(v, raw, sizeof(v));
 #pragma unroll
     for (int i = 0; i < 8; ++i) tile[r * kStride + c + i] = v[i];
-  };
-  if constexpr (kBatched) {
-    uint4 raw[kIters][sizeof(T) / 2];
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int idx = it * kThreads + threadIdx.x, r = idx / (kTile / 8), c = (idx % (kTile / 8)) * 8;
-      load8<T>(x, m, k, r0 + r, c0 + c, vec_ok, raw[it]);
-    }
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) store(it * kThreads + threadIdx.x, raw[it]);
-  } else {
-    for (int idx = threadIdx.x; idx < kTile * kTile / 8; idx += kThreads) {
-      const int r = idx / (kTile / 8), c = (idx % (kTile / 8)) * 8;
-      uint4 raw[sizeof(T) / 2];
-      load8<T>(x, m, k, r0 + r, c0 + c, vec_ok, raw);
-      store(idx, raw);
-    }
   }
 }
 
@@ -115,14 +99,72 @@ __device__ __forceinline__ void chunk_of(int it, int& cr, int& ch) {
   ch = 4 * (g >> 4) + (l >> 3);
 }
 
-template <typename T, bool kBatched>
+// Phase A of side s: chunk amaxes for the formats whose blocks span several chunks (a 1x16 NVFP4
+// block is one chunk: phase B takes its amax from the values it encodes, reading and transforming them once).
+template <typename T>
+__device__ __forceinline__ void chunk_amaxes(const Params& p, Smem<T>& sm, int s) {
+  const SideParams& sp = p.side[s];
+  const int fmt = sp.fmt;
+  if (fmt == kNone || fmt == kFp8Tensor || one_chunk_blocks(sp)) return;
+  const bool rht = fmt == kNvfp4 && (sp.opts & kRHT);
+  const bool bits = fmt == kNvfp4 || fmt == kMxfp8;
+  for (int it = 0; it < kTile * kChunks / kThreads; ++it) {
+    int cr, ch;
+    chunk_of(it, cr, ch);
+    float v[16];
+    read_chunk(sm.tile, s, cr, ch, rht, v);
+    float a = 0.0f;
+    if (bits) {
+      a = bits_amax(v);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 16; ++e) a = amax_acc(a, v[e]);
+    }
+    sm.camax[s][cr * kChunks + ch] = a;
+  }
+}
+
+// Phase B of side s: each chunk's block amax, then encode and store.
+template <typename T>
+__device__ __forceinline__ void encode_tile_side(const Params& p, const Smem<T>& sm, int s, int64_t b, int64_t r0,
+                                                 int64_t c0, float ts) {
+  const SideParams& sp = p.side[s];
+  const int fmt = sp.fmt;
+  if (fmt == kNone) return;
+  const int64_t cr0 = s == 0 ? r0 : c0, cc0 = s == 0 ? c0 : r0;  // this tile's origin in the copy
+  for (int it = 0; it < kTile * kChunks / kThreads; ++it) {
+    int cr, ch;
+    chunk_of(it, cr, ch);
+    const int64_t gr = cr0 + cr, gc = cc0 + ch * 16;
+    if (gr >= sp.R || gc >= sp.C) continue;
+    float v[16];
+    read_chunk(sm.tile, s, cr, ch, fmt == kNvfp4 && (sp.opts & kRHT), v);
+    const float* ca = sm.camax[s];
+    float a = 0.0f;  // the chunk's block amax (per-tensor FP8 has none)
+    if (fmt == kNvfp4 && (sp.opts & kBlock2D)) {
+      a = u2f(sm.bamax[s][(cr / 16) * kChunks + ch]);
+    } else if (fmt == kNvfp4) {
+      a = bits_amax(v);
+    } else if (fmt == kMxfp8) {
+      a = nmax(ca[cr * kChunks + (ch & ~1)], ca[cr * kChunks + (ch | 1)]);
+    } else if (fmt == kFp8Block1) {
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) a = nmax(a, ca[cr * kChunks + i]);
+    } else if (fmt == kFp8Block2) {
+      a = sm.tamax[s];
+    }
+    encode_chunk<16, T>(p, s, b, gr, gc, a, ts, v);
+  }
+}
+
+template <typename T>
 __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
   Smem<T>& sm = *dynamic_smem<Smem<T>>();
   const int64_t b = blockIdx.z;
   const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
   const float ts[2] = {copy_scalar(p, 0, b), copy_scalar(p, 1, b)};
   write_scale_inv(p, b, ts);
-  load_tile<T, kBatched>(static_cast<const T*>(p.x) + b * p.m * p.k, p.m, p.k, r0, c0, sm.tile);
+  load_tile<T>(static_cast<const T*>(p.x) + b * p.m * p.k, p.m, p.k, r0, c0, sm.tile);
   __syncthreads();
   if (p.amax) {  // max |x| of the tile (zeros outside x), reduced after the next barrier
     constexpr int kStride = Smem<T>::kStride;
@@ -131,30 +173,8 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
       a = amax_acc(a, to_f32(sm.tile[(i / kTile) * kStride + i % kTile]));
     cta_amax_partial(f2u(a), sm.xamax);
   }
-
-  // Phase A: chunk amaxes for the formats whose blocks span several chunks (a 1x16 NVFP4 block is one chunk:
-  // phase B takes its amax from the values it encodes, reading and transforming them once).
-#pragma unroll
-  for (int s = 0; s < 2; ++s) {
-    const SideParams& sp = p.side[s];
-    if (sp.fmt == kNone || sp.fmt == kFp8Tensor || one_chunk_blocks(sp)) continue;
-    const bool rht = sp.fmt == kNvfp4 && (sp.opts & kRHT);
-    const bool bits = sp.fmt == kNvfp4 || sp.fmt == kMxfp8;
-    for (int it = 0; it < kTile * kChunks / kThreads; ++it) {
-      int cr, ch;
-      chunk_of(it, cr, ch);
-      float v[16];
-      read_chunk(sm.tile, s, cr, ch, rht, v);
-      float a = 0.0f;
-      if (bits) {
-        a = bits_amax(v);
-      } else {
-#pragma unroll
-        for (int e = 0; e < 16; ++e) a = amax_acc(a, v[e]);
-      }
-      sm.camax[s][cr * kChunks + ch] = a;
-    }
-  }
+  chunk_amaxes(p, sm, 0);
+  chunk_amaxes(p, sm, 1);
   __syncthreads();
   // 128x128 tiles: one amax for the whole tile (the first warp). NVFP4 16x16 blocks: one amax per block, the max
   // of its 16 chunk amaxes (threads 128..255, 64 blocks per side). Those chunk amaxes are |v| bit patterns
@@ -183,61 +203,25 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(Params p) {
     }
   }
   __syncthreads();
-
-  // Phase B: each chunk's block amax, then encode and store.
-#pragma unroll
-  for (int s = 0; s < 2; ++s) {
-    const SideParams& sp = p.side[s];
-    if (sp.fmt == kNone) continue;
-    const int64_t cr0 = s == 0 ? r0 : c0, cc0 = s == 0 ? c0 : r0;  // this tile's origin in the copy
-    for (int it = 0; it < kTile * kChunks / kThreads; ++it) {
-      int cr, ch;
-      chunk_of(it, cr, ch);
-      const int64_t gr = cr0 + cr, gc = cc0 + ch * 16;
-      if (gr >= sp.R || gc >= sp.C) continue;
-      float v[16];
-      read_chunk(sm.tile, s, cr, ch, sp.fmt == kNvfp4 && (sp.opts & kRHT), v);
-      const float* ca = sm.camax[s];
-      float a = 0.0f;  // the chunk's block amax (per-tensor FP8 has none)
-      if (sp.fmt == kNvfp4 && (sp.opts & kBlock2D)) {
-        a = u2f(sm.bamax[s][(cr / 16) * kChunks + ch]);
-      } else if (sp.fmt == kNvfp4) {
-        a = bits_amax(v);
-      } else if (sp.fmt == kMxfp8) {
-        a = nmax(ca[cr * kChunks + (ch & ~1)], ca[cr * kChunks + (ch | 1)]);
-      } else if (sp.fmt == kFp8Block1) {
-#pragma unroll
-        for (int i = 0; i < kChunks; ++i) a = nmax(a, ca[cr * kChunks + i]);
-      } else if (sp.fmt == kFp8Block2) {
-        a = sm.tamax[s];
-      }
-      encode_chunk<16, T>(p, s, b, gr, gc, a, ts[s], v);
-    }
-  }
+  encode_tile_side(p, sm, 0, b, r0, c0, ts[0]);
+  encode_tile_side(p, sm, 1, b, r0, c0, ts[1]);
 }
 
-// JAXHQ_QUANTIZE_VARIANT = registers (default) | alternating | batched: the variant the FFI handlers launch
-// (the same results; see docs/ffi.md). `registers` hands the calls it does not take to `alternating`.
+// JAXHQ_QUANTIZE_VARIANT = registers (default) | alternating: the kernel the FFI handlers launch (the same
+// results; see docs/ffi.md). `registers` hands the calls it does not take to the tile kernel.
 int default_variant() {
   static const int v = [] {
     const char* e = std::getenv("JAXHQ_QUANTIZE_VARIANT");
-    const std::string s = e ? e : "";
-    return s == "batched" ? kBatchedLoad : s == "alternating" ? kAlternatingLoad : kRegisterTile;
+    return std::string(e ? e : "") == "alternating" ? kAlternatingLoad : kRegisterTile;
   }();
   return v;
 }
 
-template <typename T, bool kBatched>
-std::string launch_tb(const Params& p, int64_t batch, cudaStream_t s) {
-  const size_t smem = sizeof(Smem<T>);
-  dim3 grid(unsigned((p.k + kTile - 1) / kTile), unsigned((p.m + kTile - 1) / kTile), unsigned(batch));
-  launch_kernel(quantize_tile_kernel<T, kBatched>, grid, dim3(kThreads), smem, s, p);
-  return cuda_status();
-}
-
 template <typename T>
-std::string launch_t(const Params& p, int64_t batch, cudaStream_t s, int variant) {
-  return variant == kBatchedLoad ? launch_tb<T, true>(p, batch, s) : launch_tb<T, false>(p, batch, s);
+std::string launch_t(const Params& p, int64_t batch, cudaStream_t s) {
+  dim3 grid(unsigned((p.k + kTile - 1) / kTile), unsigned((p.m + kTile - 1) / kTile), unsigned(batch));
+  launch_kernel(quantize_tile_kernel<T>, grid, dim3(kThreads), sizeof(Smem<T>), s, p);
+  return cuda_status();
 }
 
 }  // namespace
@@ -253,9 +237,9 @@ std::string launch_quantize(const QuantizeArgs& a, void* stream, int variant) {
   if (a.amax) cudaMemsetAsync(a.amax, 0, sizeof(float) * a.batch, s);
   if (variant == kRegisterTile && register_tile_takes(a)) return launch_register_tile(p, a.dtype, a.batch, s);
   switch (a.dtype) {
-    case kBF16: return launch_t<__nv_bfloat16>(p, a.batch, s, variant);
-    case kF16: return launch_t<__half>(p, a.batch, s, variant);
-    default: return launch_t<float>(p, a.batch, s, variant);
+    case kBF16: return launch_t<__nv_bfloat16>(p, a.batch, s);
+    case kF16: return launch_t<__half>(p, a.batch, s);
+    default: return launch_t<float>(p, a.batch, s);
   }
 }
 

@@ -1,5 +1,5 @@
-// Kernels of gemm_kernels.h. Memory-bound helpers with 16-byte stores; the dequantize kernels take a whole
-// 32-element MX block (two NVFP4 blocks) per thread, 16-byte loads included, when K is a multiple of 32.
+// Kernels of gemm_kernels.h. Memory-bound helpers with 16-byte stores; the dequantize kernels stream the operand
+// in groups of 8 elements per thread when K is a multiple of the block.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -65,25 +65,45 @@ __global__ void mxfp8_kernel(const uint8_t* __restrict__ data, const uint8_t* __
   *reinterpret_cast<uint4*>(out + (r * k + c) / 2) = *reinterpret_cast<uint4*>(o);
 }
 
-// One thread per 32-element MX block (K % 32 == 0, so block b is bytes [32b, 32b + 32) and scale b): two
-// 16-byte loads, four 16-byte stores.
-__global__ void mxfp8_block_kernel(const uint4* __restrict__ data, const uint8_t* __restrict__ scales,
-                                   int64_t blocks, bool e5m2, uint4* __restrict__ out) {
-  const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (b >= blocks) return;
-  const uint4 w0 = __ldg(data + 2 * b), w1 = __ldg(data + 2 * b + 1);
-  const uint32_t w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-  const float s = e8m0_value(__ldg(scales + b));
-  uint4 o[4];
-  uint32_t* ow = reinterpret_cast<uint32_t*>(o);
+// The streaming dequantize kernels. With K a multiple of the block (32 MXFP8, 16 NVFP4) the operand is one stream:
+// element e has scale e / block. A thread takes groups of 8 consecutive elements (8 bytes of MXFP8 codes, 4 of
+// NVFP4) and writes 16 bytes of bf16, so a warp's loads and stores are each contiguous (256/128 and 512 bytes:
+// whole sectors); kGroups groups per thread, a block apart, their loads issued before the first store. (A thread
+// per 32-element block, 64 contiguous output bytes per thread, ran at 1.9 TB/s on an H100 with its memory pipe
+// 89% busy.)
+constexpr int kGroups = 4;
+
+unsigned stream_blocks(int64_t groups) { return unsigned((groups + kThreads * kGroups - 1) / (kThreads * kGroups)); }
+
+__global__ void mxfp8_stream_kernel(const uint2* __restrict__ data, const uint8_t* __restrict__ scales, int64_t groups,
+                                    bool e5m2, uint4* __restrict__ out) {
+  const int64_t g0 = int64_t(blockIdx.x) * kThreads * kGroups + threadIdx.x;
+  uint2 w[kGroups];
+  uint8_t e[kGroups];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const float2 f = fp8x2_to_float2(uint16_t(w[i / 2] >> (16 * (i % 2))), e5m2);
-    const __nv_bfloat162 h = __floats2bfloat162_rn(f.x * s, f.y * s);
-    memcpy(ow + i, &h, 4);
+  for (int i = 0; i < kGroups; ++i) {
+    const int64_t g = g0 + int64_t(i) * kThreads;
+    if (g < groups) {
+      w[i] = __ldg(data + g);
+      e[i] = __ldg(scales + g / 4);
+    }
   }
 #pragma unroll
-  for (int j = 0; j < 4; ++j) out[4 * b + j] = o[j];
+  for (int i = 0; i < kGroups; ++i) {
+    const int64_t g = g0 + int64_t(i) * kThreads;
+    if (g >= groups) break;
+    const float s = e8m0_value(e[i]);
+    const uint32_t v[2] = {w[i].x, w[i].y};
+    uint4 o;
+    uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = fp8x2_to_float2(uint16_t(v[j / 2] >> (16 * (j % 2))), e5m2);
+      const __nv_bfloat162 h = __floats2bfloat162_rn(f.x * s, f.y * s);
+      memcpy(ow + j, &h, 4);
+    }
+    out[g] = o;
+  }
 }
 
 // E2M1 code (4 bits, bit 3 the sign) to float.
@@ -93,54 +113,34 @@ __device__ __forceinline__ float e2m1_value(uint32_t code) {
   return (code & 8u) ? -v : v;
 }
 
-__global__ void nvfp4_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scales, int64_t rows,
-                             int64_t k, __nv_bfloat162* __restrict__ out) {
-  // one thread: one 16-element block = 8 packed bytes, the even element in the low nibble
-  int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  int64_t blocks_per_row = k / 16;
-  if (b >= rows * blocks_per_row) return;
-  int64_t r = b / blocks_per_row, c = (b % blocks_per_row) * 16;
-  __half_raw hs = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(scales[r * blocks_per_row + c / 16]),
-                                          __NV_E4M3);
-  float s = __half2float(__half(hs));
-  uint2 raw = *reinterpret_cast<const uint2*>(data + (r * k + c) / 2);
-  uint32_t w[2] = {raw.x, raw.y};
-  __nv_bfloat162 o[8];
+__global__ void nvfp4_stream_kernel(const uint32_t* __restrict__ data, const uint8_t* __restrict__ scales,
+                                    int64_t groups, uint4* __restrict__ out) {
+  const int64_t g0 = int64_t(blockIdx.x) * kThreads * kGroups + threadIdx.x;
+  uint32_t w[kGroups];
+  uint8_t sc[kGroups];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    uint32_t byte = (w[i / 4] >> (8 * (i % 4))) & 0xFFu;
-    o[i] = __floats2bfloat162_rn(e2m1_value(byte & 0xFu) * s, e2m1_value(byte >> 4) * s);
-  }
-  uint4* dst = reinterpret_cast<uint4*>(out + (r * k + c) / 2);
-  dst[0] = reinterpret_cast<uint4*>(o)[0];
-  dst[1] = reinterpret_cast<uint4*>(o)[1];
-}
-
-// One thread per two 16-element NVFP4 blocks (K % 32 == 0): one 16-byte load of packed codes, one 2-byte load of
-// the two E4M3 scales, four 16-byte stores.
-__global__ void nvfp4_pair_kernel(const uint4* __restrict__ data, const uint16_t* __restrict__ scales, int64_t pairs,
-                                  uint4* __restrict__ out) {
-  const int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (p >= pairs) return;
-  const uint4 v = __ldg(data + p);
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  const uint16_t sc = __ldg(scales + p);
-  float s[2];
-#pragma unroll
-  for (int j = 0; j < 2; ++j)
-    s[j] = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>((sc >> (8 * j)) & 0xFF),
-                                                       __NV_E4M3)));
-  uint4 o[4];
-  uint32_t* ow = reinterpret_cast<uint32_t*>(o);
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {  // byte i: elements 2i (low nibble) and 2i + 1, of block i / 8
-    const uint32_t byte = (w[i / 4] >> (8 * (i % 4))) & 0xFFu;
-    const float sc = s[i / 8];
-    const __nv_bfloat162 h = __floats2bfloat162_rn(e2m1_value(byte & 0xFu) * sc, e2m1_value(byte >> 4) * sc);
-    memcpy(ow + i, &h, 4);
+  for (int i = 0; i < kGroups; ++i) {
+    const int64_t g = g0 + int64_t(i) * kThreads;
+    if (g < groups) {
+      w[i] = __ldg(data + g);
+      sc[i] = __ldg(scales + g / 2);
+    }
   }
 #pragma unroll
-  for (int j = 0; j < 4; ++j) out[4 * p + j] = o[j];
+  for (int i = 0; i < kGroups; ++i) {
+    const int64_t g = g0 + int64_t(i) * kThreads;
+    if (g >= groups) break;
+    const float s = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(sc[i]), __NV_E4M3)));
+    uint4 o;
+    uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // byte j: elements 2j (low nibble) and 2j + 1
+      const uint32_t byte = (w[i] >> (8 * j)) & 0xFFu;
+      const __nv_bfloat162 h = __floats2bfloat162_rn(e2m1_value(byte & 0xFu) * s, e2m1_value(byte >> 4) * s);
+      memcpy(ow + j, &h, 4);
+    }
+    out[g] = o;
+  }
 }
 
 __device__ __forceinline__ float inv_genc(const float* amax) {
@@ -209,10 +209,10 @@ std::string relayout_scales(const float* in, int64_t rows, int64_t cols, float* 
 std::string dequant_mxfp8(const uint8_t* data, const uint8_t* scales, int64_t rows, int64_t k, bool e5m2,
                           void* out_bf16, cudaStream_t s) {
   if (k % 32 == 0) {
-    const int64_t blocks = rows * (k / 32);
-    if (blocks > 0)
-      launch_kernel(mxfp8_block_kernel, blocks_for(blocks), kThreads, 0, s, reinterpret_cast<const uint4*>(data),
-                    scales, blocks, e5m2, static_cast<uint4*>(out_bf16));
+    const int64_t groups = rows * (k / 8);
+    if (groups > 0)
+      launch_kernel(mxfp8_stream_kernel, stream_blocks(groups), kThreads, 0, s, reinterpret_cast<const uint2*>(data),
+                    scales, groups, e5m2, static_cast<uint4*>(out_bf16));
     return last_error();
   }
   int64_t n = rows * (k / 8);
@@ -224,17 +224,11 @@ std::string dequant_mxfp8(const uint8_t* data, const uint8_t* scales, int64_t ro
 
 std::string dequant_nvfp4(const uint8_t* data, const uint8_t* scales, int64_t rows, int64_t k, void* out_bf16,
                           cudaStream_t s) {
-  if (k % 32 == 0) {
-    const int64_t pairs = rows * (k / 32);
-    if (pairs > 0)
-      launch_kernel(nvfp4_pair_kernel, blocks_for(pairs), kThreads, 0, s, reinterpret_cast<const uint4*>(data),
-                    reinterpret_cast<const uint16_t*>(scales), pairs, static_cast<uint4*>(out_bf16));
-    return last_error();
-  }
-  int64_t n = rows * (k / 16);
-  if (n > 0)
-    launch_kernel(nvfp4_kernel, blocks_for(n), kThreads, 0, s, data, scales, rows, k,
-                  static_cast<__nv_bfloat162*>(out_bf16));
+  if (k % 16) return "NVFP4 dequantize needs K % 16 == 0";
+  const int64_t groups = rows * (k / 8);
+  if (groups > 0)
+    launch_kernel(nvfp4_stream_kernel, stream_blocks(groups), kThreads, 0, s, reinterpret_cast<const uint32_t*>(data),
+                  scales, groups, static_cast<uint4*>(out_bf16));
   return last_error();
 }
 
