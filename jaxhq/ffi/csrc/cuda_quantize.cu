@@ -1,7 +1,8 @@
 // The hybrid tile kernel: one CTA reads a 128x128 tile of x into shared memory once, then runs the
 // rowwise copy's format epilogue (blocks along the tile's rows) and the columnwise copy's (blocks along its
-// columns, written transposed). Every single-format quantization is this kernel with the same (or no)
-// format on the other side. Numerics: numerics.h, equal to the CPU handlers bit for bit.
+// columns, written transposed). A single-format quantization is this kernel with the same (or no) format on
+// the other side. It runs every call the register-tile kernel (cuda_quantize_regs.cu) does not take: an NVFP4
+// side, or float32 input. Numerics: numerics.h, equal to the CPU handlers bit for bit.
 //
 // Work split: each copy's tile is 128 copy-rows x 8 chunks of 16 elements, taken in 4 rounds of 256; in a
 // round a warp holds 8 consecutive copy rows x 4 consecutive chunks (`chunk_of`), so its stores are whole
