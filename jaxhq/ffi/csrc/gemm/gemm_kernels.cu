@@ -75,25 +75,22 @@ constexpr int kGroups = 4;
 
 unsigned stream_blocks(int64_t groups) { return unsigned((groups + kThreads * kGroups - 1) / (kThreads * kGroups)); }
 
-__global__ void mxfp8_stream_kernel(const uint2* __restrict__ data, const uint8_t* __restrict__ scales, int64_t groups,
-                                    bool e5m2, uint4* __restrict__ out) {
-  const int64_t g0 = int64_t(blockIdx.x) * kThreads * kGroups + threadIdx.x;
-  uint2 w[kGroups];
-  uint8_t e[kGroups];
-#pragma unroll
-  for (int i = 0; i < kGroups; ++i) {
-    const int64_t g = g0 + int64_t(i) * kThreads;
-    if (g < groups) {
-      w[i] = __ldg(data + g);
-      e[i] = __ldg(scales + g / 4);
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < kGroups; ++i) {
-    const int64_t g = g0 + int64_t(i) * kThreads;
-    if (g >= groups) break;
-    const float s = e8m0_value(e[i]);
-    const uint32_t v[2] = {w[i].x, w[i].y};
+// E2M1 code (4 bits, bit 3 the sign) to float.
+__device__ __forceinline__ float e2m1_value(uint32_t code) {
+  uint32_t m = code & 7u, e = m >> 1, mant = m & 1u;
+  float v = e ? __int_as_float(int(((e + 126u) << 23) | (mant << 22))) : (mant ? 0.5f : 0.0f);
+  return (code & 8u) ? -v : v;
+}
+
+// The groups of one format: Word holds a group's codes, kPerScale groups share a scale byte, and decode turns
+// (codes, scale byte) into the 8 bf16 values.
+struct Mxfp8Groups {
+  using Word = uint2;
+  static constexpr int kPerScale = 4;
+  bool e5m2;
+  __device__ __forceinline__ uint4 decode(uint2 w, uint8_t e) const {
+    const float s = e8m0_value(e);
+    const uint32_t v[2] = {w.x, w.y};
     uint4 o;
     uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
 #pragma unroll
@@ -102,44 +99,46 @@ __global__ void mxfp8_stream_kernel(const uint2* __restrict__ data, const uint8_
       const __nv_bfloat162 h = __floats2bfloat162_rn(f.x * s, f.y * s);
       memcpy(ow + j, &h, 4);
     }
-    out[g] = o;
+    return o;
   }
-}
+};
 
-// E2M1 code (4 bits, bit 3 the sign) to float.
-__device__ __forceinline__ float e2m1_value(uint32_t code) {
-  uint32_t m = code & 7u, e = m >> 1, mant = m & 1u;
-  float v = e ? __int_as_float(int(((e + 126u) << 23) | (mant << 22))) : (mant ? 0.5f : 0.0f);
-  return (code & 8u) ? -v : v;
-}
+struct Nvfp4Groups {
+  using Word = uint32_t;
+  static constexpr int kPerScale = 2;
+  __device__ __forceinline__ uint4 decode(uint32_t w, uint8_t sc) const {
+    const float s = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(sc), __NV_E4M3)));
+    uint4 o;
+    uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // byte j: elements 2j (low nibble) and 2j + 1
+      const uint32_t byte = (w >> (8 * j)) & 0xFFu;
+      const __nv_bfloat162 h = __floats2bfloat162_rn(e2m1_value(byte & 0xFu) * s, e2m1_value(byte >> 4) * s);
+      memcpy(ow + j, &h, 4);
+    }
+    return o;
+  }
+};
 
-__global__ void nvfp4_stream_kernel(const uint32_t* __restrict__ data, const uint8_t* __restrict__ scales,
-                                    int64_t groups, uint4* __restrict__ out) {
+template <typename F>
+__global__ void stream_kernel(const typename F::Word* __restrict__ data, const uint8_t* __restrict__ scales,
+                              int64_t groups, F fmt, uint4* __restrict__ out) {
   const int64_t g0 = int64_t(blockIdx.x) * kThreads * kGroups + threadIdx.x;
-  uint32_t w[kGroups];
+  typename F::Word w[kGroups];
   uint8_t sc[kGroups];
 #pragma unroll
   for (int i = 0; i < kGroups; ++i) {
     const int64_t g = g0 + int64_t(i) * kThreads;
     if (g < groups) {
       w[i] = __ldg(data + g);
-      sc[i] = __ldg(scales + g / 2);
+      sc[i] = __ldg(scales + g / F::kPerScale);
     }
   }
 #pragma unroll
   for (int i = 0; i < kGroups; ++i) {
     const int64_t g = g0 + int64_t(i) * kThreads;
     if (g >= groups) break;
-    const float s = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(sc[i]), __NV_E4M3)));
-    uint4 o;
-    uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {  // byte j: elements 2j (low nibble) and 2j + 1
-      const uint32_t byte = (w[i] >> (8 * j)) & 0xFFu;
-      const __nv_bfloat162 h = __floats2bfloat162_rn(e2m1_value(byte & 0xFu) * s, e2m1_value(byte >> 4) * s);
-      memcpy(ow + j, &h, 4);
-    }
-    out[g] = o;
+    out[g] = fmt.decode(w[i], sc[i]);
   }
 }
 
@@ -211,8 +210,8 @@ std::string dequant_mxfp8(const uint8_t* data, const uint8_t* scales, int64_t ro
   if (k % 32 == 0) {
     const int64_t groups = rows * (k / 8);
     if (groups > 0)
-      launch_kernel(mxfp8_stream_kernel, stream_blocks(groups), kThreads, 0, s, reinterpret_cast<const uint2*>(data),
-                    scales, groups, e5m2, static_cast<uint4*>(out_bf16));
+      launch_kernel(stream_kernel<Mxfp8Groups>, stream_blocks(groups), kThreads, 0, s,
+                    reinterpret_cast<const uint2*>(data), scales, groups, Mxfp8Groups{e5m2}, static_cast<uint4*>(out_bf16));
     return last_error();
   }
   int64_t n = rows * (k / 8);
@@ -227,8 +226,8 @@ std::string dequant_nvfp4(const uint8_t* data, const uint8_t* scales, int64_t ro
   if (k % 16) return "NVFP4 dequantize needs K % 16 == 0";
   const int64_t groups = rows * (k / 8);
   if (groups > 0)
-    launch_kernel(nvfp4_stream_kernel, stream_blocks(groups), kThreads, 0, s, reinterpret_cast<const uint32_t*>(data),
-                  scales, groups, static_cast<uint4*>(out_bf16));
+    launch_kernel(stream_kernel<Nvfp4Groups>, stream_blocks(groups), kThreads, 0, s,
+                  reinterpret_cast<const uint32_t*>(data), scales, groups, Nvfp4Groups{}, static_cast<uint4*>(out_bf16));
   return last_error();
 }
 
