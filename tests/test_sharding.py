@@ -132,8 +132,13 @@ def test_amax_of_sharded_tensor_is_global_under_jit():
     g = jax.jit(shard_map(lambda a: global_amax(a, ("data", "fsdp", "tensor")), mesh=mesh, in_specs=spec,
                           out_specs=P()))
     assert float(g(jax.device_put(x, sh))) == 50.0
+    # one all-reduce (the max of the bit patterns carries the NaN flag)
+    assert [c.kind for c in collectives(g.lower(jax.device_put(x, sh)).compile().as_text(), None)] == ["all-reduce"]
+    x[7, 60] = -np.inf  # on another shard
+    assert float(g(jax.device_put(x, sh))) == np.inf
     x[3, 90] = np.nan  # on one shard: global_amax is NaN on every device (a max all-reduce may drop NaNs)
-    assert np.isnan(float(g(jax.device_put(x, sh))))
+    got = np.asarray(g(jax.device_put(x, sh)), np.float32)
+    assert np.isnan(got) and got.view(np.uint32) == np.float32(np.nan).view(np.uint32)  # the canonical NaN
 
 
 # -- quantized all-gather ----------------------------------------------------------------------------------

@@ -16,14 +16,15 @@ from ..formats.base import abs_max
 
 
 def pmax_nan(a, axis_names: Union[str, Sequence[str]]):
-    """`jax.lax.pmax` of non-negative amaxes that is NaN when any device's is NaN: a max all-reduce drops NaNs
-    (the CPU backend's does), so the NaN flag is reduced apart."""
+    """`jax.lax.pmax` of non-negative amaxes that is NaN when any device's is NaN: one max all-reduce of the float32
+    bit patterns (sign cleared), which order as the values do with every NaN above Inf, as in
+    formats.base.abs_max (a float max all-reduce may drop NaNs: the CPU backend's does); the canonical NaN."""
     names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
     if not names:
         return a
-    has_nan = jax.lax.pmax(jnp.isnan(a).astype(jnp.int32), names)
-    m = jax.lax.pmax(jnp.where(jnp.isnan(a), jnp.asarray(0, a.dtype), a), names)
-    return jnp.where(has_nan > 0, jnp.asarray(jnp.nan, a.dtype), m)  # scalars: the result stays replicated
+    bits = jax.lax.bitcast_convert_type(a.astype(jnp.float32), jnp.uint32) & jnp.uint32(0x7FFFFFFF)
+    m = jax.lax.bitcast_convert_type(jax.lax.pmax(bits, names), jnp.float32)
+    return jnp.where(jnp.isnan(m), jnp.float32(jnp.nan), m).astype(a.dtype)  # scalars: the result stays replicated
 
 
 def global_amax(x, axis_names: Union[str, Sequence[str]] = ()):
