@@ -34,10 +34,6 @@ def _quantizer(fmt):
     return jax.jit(lambda t: quantize(t, fmt, "rowwise").rowwise)
 
 
-def _q(x, fmt):
-    return _quantizer(fmt)(x)
-
-
 def variants(m, k, n, key, xla_scaled=False):
     """{name: (jitted fn, args)}; operands built on the device."""
     ka, kb = jax.random.split(key)
@@ -46,8 +42,8 @@ def variants(m, k, n, key, xla_scaled=False):
     v = {}
     v["xla_bf16"] = (jax.jit(lambda a, b: lax.dot_general(a, b, TN)), (x, w))
 
-    qa = _q(x, Float8CurrentScaling("e4m3"))
-    qb = _q(w, Float8CurrentScaling("e4m3"))
+    qa = _quantizer(Float8CurrentScaling("e4m3"))(x)
+    qb = _quantizer(Float8CurrentScaling("e4m3"))(w)
     v["xla_fp8_dot_general"] = (jax.jit(lambda a, b: lax.dot_general(a, b, TN, preferred_element_type=jnp.bfloat16)),
                                 (qa.data, qb.data))
     if xla_scaled:  # XLA's autotuning of the scaled FP8 dot compiles for ~100 s per shape
@@ -55,18 +51,18 @@ def variants(m, k, n, key, xla_scaled=False):
     v["jaxhq_fp8_tensor"] = (jax.jit(lambda a, b: G.fp8_gemm(a, b, jnp.bfloat16)), (qa, qb))
     v["jaxhq_fp8_tensor_fastacc"] = (jax.jit(lambda a, b: G.fp8_gemm(a, b, jnp.bfloat16, fast_accum=True)), (qa, qb))
 
-    ba = _q(x, Float8Block((1, 128)))
-    bb = _q(w, Float8Block((128, 128)))
+    ba = _quantizer(Float8Block((1, 128)))(x)
+    bb = _quantizer(Float8Block((128, 128)))(w)
     v["jaxhq_fp8_block"] = (jax.jit(lambda a, b: G.fp8_gemm(a, b, jnp.bfloat16)), (ba, bb))
 
-    ma = _q(x, MXFP8("e4m3"))
-    mb = _q(w, MXFP8("e4m3"))
+    ma = _quantizer(MXFP8("e4m3"))(x)
+    mb = _quantizer(MXFP8("e4m3"))(w)
     wg = "wgmma" if G._hopper() else "auto"  # the FP8-wgmma kernel wherever it runs
     v["jaxhq_mxfp8"] = (jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.bfloat16, kernel=wg)), (ma, mb))
     v["jaxhq_mxfp8_dq"] = (jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.bfloat16, kernel="dequantize")),
                            (ma, mb))
     if m % GROUPS == 0:  # MoE: GROUPS experts of m / GROUPS rows each, same FLOPs as the dense GEMM
-        wq = [_q(jnp.roll(w, i, axis=0), MXFP8("e4m3")) for i in range(GROUPS)]
+        wq = [_quantizer(MXFP8("e4m3"))(jnp.roll(w, i, axis=0)) for i in range(GROUPS)]
         sizes = jnp.full((GROUPS,), m // GROUPS, jnp.int32)
         for label, kern in (("", wg), ("_dq", "dequantize")):
             v[f"jaxhq_mxfp8_grouped{GROUPS}{label}"] = (
@@ -77,8 +73,8 @@ def variants(m, k, n, key, xla_scaled=False):
                                                           preferred_element_type=jnp.bfloat16)[0]),
         (ma.data, mb.data, ma.scale_inv, mb.scale_inv))
 
-    na = _q(x, NVFP4())
-    nb = _q(w, NVFP4())
+    na = _quantizer(NVFP4())(x)
+    nb = _quantizer(NVFP4())(w)
     v["jaxhq_nvfp4"] = (jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.bfloat16)), (na, nb))
     try:  # the same E2M1 values as jnp.float4_e2m1fn, E4M3 block scales (global scale left out)
         from jaxhq.formats.casts import e2m1_decode, unpack_nibbles
