@@ -101,6 +101,10 @@ class WeightSharding:
     def ways(self, entry) -> int:
         return mesh_ways(self.mesh, entry)
 
+    def split(self, entry) -> tuple:
+        """The mesh axes of a spec entry (None, a name or a tuple of names) that split it (size > 1)."""
+        return tuple(a for a in _axes(entry) if self.sizes.get(a, 1) > 1)
+
     def kernel_spec(self, gathered: bool = False) -> PartitionSpec:
         return PartitionSpec(*(self._keep(e) if gathered else e for e in self.spec))
 
@@ -115,7 +119,7 @@ class WeightSharding:
 
     @property
     def needs_gather(self) -> bool:
-        return any(a in self.gather and self.sizes.get(a, 1) > 1 for e in self.spec for a in _axes(e))
+        return any(a in self.gather for e in self.spec for a in self.split(e))
 
     # -- trace-time checks ---------------------------------------------------------------------------------
     def check(self, quantizer, kernel_shape, role=None) -> None:
@@ -207,12 +211,12 @@ class WeightSharding:
 
     def _wgrad_plan(self, a: Storage, b: Storage):
         """(token axes, [(kernel dim, axes to scatter on)], axes to all-reduce) or None to leave it to XLA."""
-        batch = tuple(x for x in self.batch if self.sizes.get(x, 1) > 1)
+        batch = self.split(self.batch)
         if not batch:
             return None
         scatter, used = [], set()
         for dim, entry in enumerate(self.spec):
-            g = tuple(x for x in _axes(entry) if x in self.gather and self.sizes[x] > 1)
+            g = tuple(x for x in self.split(entry) if x in self.gather)
             other = [x for x in _axes(entry) if x not in g and x in batch]
             if other or any(x not in batch for x in g):
                 return None  # a kernel dim split on a token axis that is not gathered: no FSDP pattern

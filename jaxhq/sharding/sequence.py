@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..formats import (COLUMNWISE, ROWWISE, USAGES, Float8CurrentScaling, Float8DelayedScaling, Identity, QTensor,
                        Storage, normalize, side)
-from .gather import _axes, block_shape, mesh_ways, raw_bits
+from .gather import block_shape, mesh_ways, raw_bits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,18 +172,17 @@ def sequence_plan(wsh, x_shape: tuple, qs, n_out: int) -> Optional[SequencePlan]
     row-parallel on the length axes). Warns for each tensor that falls back (see the module docstring)."""
     if wsh is None or len(x_shape) != 3:
         return None
-    sizes = wsh.sizes
-    axes = tuple(a for a in wsh.sequence if sizes.get(a, 1) > 1)
+    axes = wsh.split(wsh.sequence)
     if not axes:
         return None
-    k_in, k_out = (tuple(a for a in _axes(e) if sizes[a] > 1) for e in wsh.kernel_spec(gathered=True))
+    k_in, k_out = (wsh.split(e) for e in wsh.kernel_spec(gathered=True))
     if (k_out, k_in) == (axes, ()):
         column = True
     elif (k_in, k_out) == (axes, ()):
         column = False
     else:
         return None
-    batch = tuple(a for a in wsh.batch if sizes.get(a, 1) > 1)
+    batch = wsh.split(wsh.batch)
     bsz, length, k = x_shape
     tp, nb = wsh.ways(axes), wsh.ways(batch)
     who = f"{'column' if column else 'row'}-parallel dense {wsh.name or '(unnamed)'}"
