@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from ..formats import fp8 as _fp8
 from ..formats import nvfp4 as _nv
-from ..formats.base import COLUMNWISE, ROWWISE, USAGES, Storage, abs_max_f32
+from ..formats.base import COLUMNWISE, ROWWISE, USAGES, Storage, abs_max_f32, canonical_nan
 from ..formats.fp8 import Float8CurrentScaling, Float8DelayedScaling
 from ..formats.fp8_block import Float8Block
 from ..formats.hybrid import Hybrid, side
@@ -86,7 +86,7 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
         amax_plain = amax_rht = jnp.asarray(amax, jnp.float32)
     elif need_amax and not need_rht and quantize_paths()["amax"] == "xla":
         raw = abs_max_f32(x2d)
-        amax_plain = P.canonical_nan(raw)
+        amax_plain = canonical_nan(raw)
     elif need_amax:
         amax_plain, amax_rht = PT.amax(x2d, rht=need_rht)
 
@@ -139,7 +139,7 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
         cd, cs = (next(outs), next(outs)) if col[0] else (None, None)
         kamax = next(outs) if want_amax else None
     if want_amax:
-        amaxes.update({a: P.canonical_nan(kamax) for a in delayed})
+        amaxes.update({a: canonical_nan(kamax) for a in delayed})
 
     out = {}
     for a, data, sc, shape in ((ROWWISE, rd, rs, (m, k)), (COLUMNWISE, cd, cs, (k, m))):

@@ -101,7 +101,7 @@ def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False
     poison: write into outputs first filled with 0xFF bytes (tests: proves every element is written).
     want_amax: also max |x| per batch element (float32 [...]) from the values the copies read, so a format
     whose scale is known beforehand (delayed scaling) needs no separate amax pass. It is NaN when any element
-    is NaN, with an unspecified NaN pattern (`canonical_nan` makes it formats.base.abs_max's).
+    is NaN, with an unspecified NaN pattern (`formats.base.canonical_nan` makes it abs_max's).
     """
     registered_targets()
     *batch, m, k = x.shape
@@ -121,11 +121,6 @@ def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False
     else:
         res = jax.ffi.ffi_call("jaxhq_quantize", outs, vmap_method="broadcast_all")(*args, **attrs)
     return tuple(None if o is _EMPTY else r for o, r in zip(outs, res))
-
-
-def canonical_nan(amax):
-    """The kernel's amax with any NaN made the canonical one (formats.base.abs_max gives that one)."""
-    return jnp.where(jnp.isnan(amax), jnp.float32(jnp.nan), amax)
 
 
 def dequantize(data, scale, scalar, fmt: int, opts: int, shape):

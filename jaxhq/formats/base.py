@@ -137,38 +137,52 @@ def pad_to(x, rows_multiple: int, cols_multiple: int):
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
-def abs_max(x, axis=None, canonical_nan: bool = True):
-    """max |x| that is NaN (the canonical one; with canonical_nan=False, one of x's) when any element is NaN.
+def abs_bits(x):
+    """|x| as unsigned integers of x's width: its bit patterns with the sign bit cleared. They order as the
+    values do, with every NaN pattern above Inf, so one integer max is a NaN-propagating max |x| (floats of
+    1, 2 or 4 bytes)."""
+    ut = _UINT[x.dtype.itemsize]
+    return lax.bitcast_convert_type(x, ut) & ut((1 << (8 * x.dtype.itemsize - 1)) - 1)
 
-    Taken as the integer max of the |x| bit patterns (sign bit cleared), which order as the values do, with
-    every NaN pattern above Inf: one reduction, where a float max (which may drop NaNs in XLA) and a NaN test
-    were two. On an H100, XLA fuses this single reduction into the op that produces x (a multi-output fusion:
-    x is not read again), which it did not do for the pair (8192 x 14336 bf16 producer + amax + quantize:
-    3 kernels and 0.444 ms against 6 and 0.530; 0.426 with no amax at all).
+
+def canonical_nan(x):
+    """x with every NaN made the canonical NaN of its dtype (the bits a NaN amax is recorded with)."""
+    return jnp.where(jnp.isnan(x), jnp.asarray(jnp.nan, x.dtype), x)
+
+
+def _bit_max(x, axis=None):
+    """max |x| as the integer max of `abs_bits(x)`, in x's dtype; a NaN of one of x's patterns when any is NaN."""
+    return lax.bitcast_convert_type(jnp.max(abs_bits(x), axis=axis), x.dtype)
+
+
+def _bit_maxable(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize in _UINT
+
+
+def abs_max(x, axis=None):
+    """max |x| that is the canonical NaN when any element is NaN.
+
+    Taken as the integer max of `abs_bits(x)`: one reduction, where a float max (which may drop NaNs in XLA)
+    and a NaN test were two. On an H100, XLA fuses this single reduction into the op that produces x (a
+    multi-output fusion: x is not read again), which it did not do for the pair (8192 x 14336 bf16 producer +
+    amax + quantize: 3 kernels and 0.444 ms against 6 and 0.530; 0.426 with no amax at all).
     """
     x = jnp.asarray(x)
-    ut = _UINT.get(x.dtype.itemsize) if jnp.issubdtype(x.dtype, jnp.floating) else None
-    if ut is None:  # float64 (no unsigned 64-bit type without x64) and integers
+    if not _bit_maxable(x):  # float64, integers
         a = jnp.abs(x)
         return jnp.where(jnp.any(jnp.isnan(a), axis=axis), jnp.asarray(jnp.nan, a.dtype), jnp.max(a, axis=axis))
-    sign_off = ut((1 << (8 * x.dtype.itemsize - 1)) - 1)
-    m = lax.bitcast_convert_type(jnp.max(lax.bitcast_convert_type(x, ut) & sign_off, axis=axis), x.dtype)
-    return jnp.where(jnp.isnan(m), jnp.asarray(jnp.nan, x.dtype), m) if canonical_nan else m
+    return canonical_nan(_bit_max(x, axis))
 
 
 def abs_max_f32(x):
     """max |x| over every element as float32, a NaN of unspecified bits when any element is NaN: the form the
-    kernels take. For bfloat16 and float32 inputs the max is taken over the float32 bit patterns themselves
-    (bfloat16's widened by a shift), so the reduction's result is the float32 bits and XLA runs no small kernel
-    after it to convert."""
+    kernels take (no canonicalising select after the reduction). For bfloat16 the max is taken over the
+    float32 patterns (the bfloat16 ones shifted up), so the reduction's result is the float32 bits and XLA
+    runs no small kernel after it to convert."""
     x = jnp.asarray(x)
     if x.dtype == jnp.bfloat16:
-        u = (lax.bitcast_convert_type(x, jnp.uint16) & jnp.uint16(0x7FFF)).astype(jnp.uint32) << 16
-    elif x.dtype == jnp.float32:
-        u = lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0x7FFFFFFF)
-    else:
-        return abs_max(x, canonical_nan=False).astype(jnp.float32)
-    return lax.bitcast_convert_type(jnp.max(u), jnp.float32)
+        return lax.bitcast_convert_type(jnp.max(abs_bits(x).astype(jnp.uint32) << 16), jnp.float32)
+    return (_bit_max(x) if _bit_maxable(x) else abs_max(x)).astype(jnp.float32)
 
 
 def block_amax(x2d, block: int):

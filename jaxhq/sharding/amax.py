@@ -12,7 +12,7 @@ from typing import Sequence, Union
 import jax
 import jax.numpy as jnp
 
-from ..formats.base import abs_max
+from ..formats.base import abs_bits, abs_max, canonical_nan
 
 
 def pmax_nan(a, axis_names: Union[str, Sequence[str]]):
@@ -22,9 +22,8 @@ def pmax_nan(a, axis_names: Union[str, Sequence[str]]):
     names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
     if not names:
         return a
-    bits = jax.lax.bitcast_convert_type(a.astype(jnp.float32), jnp.uint32) & jnp.uint32(0x7FFFFFFF)
-    m = jax.lax.bitcast_convert_type(jax.lax.pmax(bits, names), jnp.float32)
-    return jnp.where(jnp.isnan(m), jnp.float32(jnp.nan), m).astype(a.dtype)  # scalars: the result stays replicated
+    m = jax.lax.bitcast_convert_type(jax.lax.pmax(abs_bits(a.astype(jnp.float32)), names), jnp.float32)
+    return canonical_nan(m).astype(a.dtype)  # scalars: the result stays replicated
 
 
 def global_amax(x, axis_names: Union[str, Sequence[str]] = ()):

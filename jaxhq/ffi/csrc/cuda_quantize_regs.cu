@@ -13,6 +13,9 @@
 #include "cuda_launch.h"
 #include "cuda_quantize.cuh"
 
+#include <string>
+#include <type_traits>
+
 namespace jaxhq {
 namespace {
 
@@ -152,28 +155,27 @@ std::string launch_pair(const Params& p, int64_t batch, cudaStream_t s) {
   return cuda_status();
 }
 
-// The instantiation for the columnwise format f1 (the rowwise one F0 fixed).
-template <typename T, int F0>
-std::string launch_col(const Params& p, int f1, int64_t batch, cudaStream_t s) {
-  switch (f1) {
-    case kNone: return launch_pair<T, F0, kNone>(p, batch, s);
-    case kFp8Tensor: return launch_pair<T, F0, kFp8Tensor>(p, batch, s);
-    case kMxfp8: return launch_pair<T, F0, kMxfp8>(p, batch, s);
-    case kFp8Block1: return launch_pair<T, F0, kFp8Block1>(p, batch, s);
-    default: return launch_pair<T, F0, kFp8Block2>(p, batch, s);
+// fn(std::integral_constant<int, F>) for the format f the register-tile kernel takes (register_tile_takes).
+template <typename Fn>
+std::string with_format(int f, Fn&& fn) {
+  switch (f) {
+    case kNone: return fn(std::integral_constant<int, kNone>{});
+    case kFp8Tensor: return fn(std::integral_constant<int, kFp8Tensor>{});
+    case kMxfp8: return fn(std::integral_constant<int, kMxfp8>{});
+    case kFp8Block1: return fn(std::integral_constant<int, kFp8Block1>{});
+    case kFp8Block2: return fn(std::integral_constant<int, kFp8Block2>{});
+    default: return "the register-tile kernel does not take format " + std::to_string(f);
   }
 }
 
+// The instantiation for this call's (rowwise, columnwise) formats.
 template <typename T>
 std::string launch_t(const Params& p, int64_t batch, cudaStream_t s) {
-  const int f1 = p.side[1].fmt;
-  switch (p.side[0].fmt) {
-    case kNone: return launch_col<T, kNone>(p, f1, batch, s);
-    case kFp8Tensor: return launch_col<T, kFp8Tensor>(p, f1, batch, s);
-    case kMxfp8: return launch_col<T, kMxfp8>(p, f1, batch, s);
-    case kFp8Block1: return launch_col<T, kFp8Block1>(p, f1, batch, s);
-    default: return launch_col<T, kFp8Block2>(p, f1, batch, s);
-  }
+  return with_format(p.side[0].fmt, [&](auto f0) {
+    return with_format(p.side[1].fmt, [&](auto f1) {
+      return launch_pair<T, decltype(f0)::value, decltype(f1)::value>(p, batch, s);
+    });
+  });
 }
 
 }  // namespace

@@ -213,22 +213,27 @@ int tuning_mode() {
   return mode;
 }
 
+// One cuBLASLt call of `c` with algorithm `algo`: alpha and beta from the device (c.alpha_beta) or 1 and
+// (accumulate ? 1 : 0) on the host; C = D.
+lt::Status matmul(cudaStream_t stream, lt::Handle h, const Descs& ds, const LtCall& c, const lt::Algo& algo,
+                  void* ws) {
+  static const float one = 1.0f, zero = 0.0f;
+  const void* alpha = c.alpha_beta ? static_cast<const void*>(c.alpha_beta) : &one;
+  const void* beta = c.alpha_beta ? static_cast<const void*>(c.alpha_beta + 1) : (c.accumulate ? &one : &zero);
+  return lt::api().Matmul(h, ds.op, alpha, c.b, ds.la, c.a, ds.lb, beta, c.d, ds.lc, c.d, ds.lc, &algo, ws, kWorkspace,
+                          stream);
+}
+
 // Times one algorithm on the call's own operands (the output is written; the real run rewrites it): kTimed runs
 // after a warm-up. A negative result means cuBLASLt refused the algorithm.
 constexpr int kCandidates = 16, kTimed = 5;
 constexpr float kMargin = 0.03f;  // how much faster a candidate must be than the first pick to replace it
 float time_algo(cudaStream_t stream, lt::Handle h, const Descs& ds, const LtCall& c, const lt::Algo& algo, void* ws,
                 cudaEvent_t e0, cudaEvent_t e1) {
-  const auto& A = lt::api();
-  const float one = 1.0f, zero = 0.0f;
-  const void* alpha = c.alpha_beta ? static_cast<const void*>(c.alpha_beta) : &one;
-  const void* beta = c.alpha_beta ? static_cast<const void*>(c.alpha_beta + 1) : &zero;
-  auto run = [&] { return A.Matmul(h, ds.op, alpha, c.b, ds.la, c.a, ds.lb, beta, c.d, ds.lc, c.d, ds.lc, &algo, ws,
-                                   kWorkspace, stream); };
-  if (run() != 0) return -1.0f;
+  if (matmul(stream, h, ds, c, algo, ws) != 0) return -1.0f;
   cudaEventRecord(e0, stream);
   for (int i = 0; i < kTimed; ++i)
-    if (run() != 0) return -1.0f;
+    if (matmul(stream, h, ds, c, algo, ws) != 0) return -1.0f;
   cudaEventRecord(e1, stream);
   float ms = -1.0f;
   if (cudaEventSynchronize(e1) != cudaSuccess || cudaEventElapsedTime(&ms, e0, e1) != cudaSuccess) return -1.0f;
@@ -236,9 +241,8 @@ float time_algo(cudaStream_t stream, lt::Handle h, const Descs& ds, const LtCall
 }
 
 // Finds (and caches) an algorithm; *found = false when cuBLASLt has none for this configuration. The first call
-// of a configuration times cuBLASLt's candidates on its own operands and keeps the fastest (what XLA's autotuner
-// does for its own GEMMs): the heuristic's first pick was up to 27% slower on an H100 (the FP8 forward of an
-// 8192 x 4096 x 28672 GEMM; 1-19% on the GEMMs of the training step). Not while the stream
+// of a configuration times cuBLASLt's candidates on its own operands and keeps the fastest when it beats the
+// first pick by more than kMargin (docs/gemm.md, "Algorithm choice", has the H100 figures). Not while the stream
 // is being captured into a CUDA graph (no synchronisation is allowed then: the first pick, not cached), nor for an
 // accumulating call (each timed run would add into the output).
 std::string get_plan(lt::Handle h, const LtCall& c, bool fused, uint32_t align_d, Descs* ds, Plan* plan,
@@ -320,7 +324,6 @@ ffi::Error run_lt(cudaStream_t stream, Scratch& scratch, const LtCall& c, bool* 
   if (!ws) return out_of_scratch(scratch, "the cuBLASLt workspace");
   // Tuning only for the dense calls (workspace result): the grouped ones meet a new M per group and step.
   cudaStream_t tune_stream = scratch.alloc ? nullptr : stream;
-  const float one = 1.0f, zero = 0.0f;
   const size_t out_bytes = c.out_type == lt::kR32F ? 4 : 2;
 
   // 1. fused: bias in the epilogue, accumulate through beta with C = D.
@@ -330,10 +333,7 @@ ffi::Error run_lt(cudaStream_t stream, Scratch& scratch, const LtCall& c, bool* 
     std::string err = get_plan(h, c, true, alignment_of(c.d), &ds, &p, tune_stream, ws);
     if (!err.empty()) return internal(err);
     if (p.found) {
-      const void* alpha = c.alpha_beta ? static_cast<const void*>(c.alpha_beta) : &one;
-      const void* beta = c.alpha_beta ? static_cast<const void*>(c.alpha_beta + 1) : (c.accumulate ? &one : &zero);
-      lt::Status s = A.Matmul(h, ds.op, alpha, c.b, ds.la, c.a, ds.lb, beta, c.d, ds.lc, c.d, ds.lc, &p.h.algo, ws,
-                              kWorkspace, stream);
+      lt::Status s = matmul(stream, h, ds, c, p.h.algo, ws);
       if (s == 0) return ffi::Error::Success();
       if (!c.bias && !c.accumulate) return unsup = true, internal(lt_error("cublasLtMatmul", s));
     } else if (!c.bias && !c.accumulate) {
@@ -363,10 +363,7 @@ ffi::Error run_lt(cudaStream_t stream, Scratch& scratch, const LtCall& c, bool* 
   std::string err = get_plan(h, plain, false, alignment_of(tmp), &ds, &p, tune_stream, ws);
   if (!err.empty()) return internal(err);
   if (!p.found) return unsup = true, internal("cuBLASLt has no algorithm for this GEMM");
-  const void* alpha = plain.alpha_beta ? static_cast<const void*>(plain.alpha_beta) : &one;
-  const void* beta = plain.alpha_beta ? static_cast<const void*>(plain.alpha_beta + 1) : &zero;
-  lt::Status s = A.Matmul(h, ds.op, alpha, plain.b, ds.la, plain.a, ds.lb, beta, tmp, ds.lc, tmp, ds.lc, &p.h.algo,
-                          ws, kWorkspace, stream);
+  lt::Status s = matmul(stream, h, ds, plain, p.h.algo, ws);  // plain.d is tmp
   if (s != 0) return unsup = true, internal(lt_error("cublasLtMatmul", s));
   std::string e = gemm::epilogue(c.d, tmp, c.bias, c.m, c.n, c.out_type == lt::kR32F, c.accumulate, stream);
   return e.empty() ? ffi::Error::Success() : internal("epilogue: " + e);
