@@ -2,7 +2,9 @@
 jax.nn.scaled_matmul (MXFP8, NVFP4), at 8192^3 and the LLM shapes M=16384, (K, N) in {(4096, 4096),
 (4096, 14336), (14336, 4096)}. TFLOP/s = 2MNK / median time; operands quantized once, outside the timing.
 jaxhq_mxfp8 is the FP8-wgmma kernel on a Hopper, jaxhq_mxfp8_dq the dequantize + bf16 path; the grouped rows
-split M into 8 experts (ref = the dense kernel of the same path). Each shape's rows are printed as soon as that shape finishes; the JSON is rewritten after every shape.
+split M into 8 experts (ref = the dense kernel of the same path; FP8 grouped: the wgmma kernel with the group
+sizes read on the device, `_lt` cuBLASLt per group with the sizes read on the host; ref = the dense cuBLASLt
+kernel). Each shape's rows are printed as soon as that shape finishes; the JSON is rewritten after every shape.
 
     python benchmarks/gemm.py [--shapes 8192x8192x8192,16384x4096x14336] [--out FILE] [--quick]
 
@@ -54,6 +56,14 @@ def variants(m, k, n, key, xla_scaled=False):
     ba = _quantizer(Float8Block((1, 128)))(x)
     bb = _quantizer(Float8Block((128, 128)))(w)
     v["jaxhq_fp8_block"] = (jax.jit(lambda a, b: G.fp8_gemm(a, b, jnp.bfloat16)), (ba, bb))
+    if m % GROUPS == 0:  # MoE: GROUPS experts of m / GROUPS rows each, same FLOPs as the dense GEMM
+        sizes = jnp.full((GROUPS,), m // GROUPS, jnp.int32)
+        for fmt, qa_, label in ((Float8CurrentScaling("e4m3"), qa, "tensor"), (Float8Block((128, 128)), ba, "block")):
+            wq = [_quantizer(fmt)(jnp.roll(w, i, axis=0)) for i in range(GROUPS)]
+            for suffix, kern in (("", "auto"), ("_lt", "cublaslt")):
+                v[f"jaxhq_fp8_{label}_grouped{GROUPS}{suffix}"] = (
+                    jax.jit(lambda a, bs, gs, kern=kern: G.grouped_gemm(a, bs, gs, jnp.bfloat16, kernel=kern)),
+                    (qa_, wq, sizes))
 
     ma = _quantizer(MXFP8("e4m3"))(x)
     mb = _quantizer(MXFP8("e4m3"))(w)
@@ -90,6 +100,7 @@ def variants(m, k, n, key, xla_scaled=False):
 
 
 REF = {"jaxhq_fp8_tensor": "xla_fp8_dot_general", "jaxhq_fp8_tensor_fastacc": "xla_fp8_dot_general",
+       **{f"jaxhq_fp8_{f}_grouped{GROUPS}{s}": f"jaxhq_fp8_{f}" for f in ("tensor", "block") for s in ("", "_lt")},
        "jaxhq_mxfp8": "scaled_matmul_mxfp8", "jaxhq_mxfp8_dq": "scaled_matmul_mxfp8",
        f"jaxhq_mxfp8_grouped{GROUPS}": "jaxhq_mxfp8", f"jaxhq_mxfp8_grouped{GROUPS}_dq": "jaxhq_mxfp8_dq",
        "jaxhq_nvfp4": "scaled_matmul_nvfp4"}

@@ -228,10 +228,12 @@ def test_unsupported_shapes_fall_back():
     assert np.isfinite(out).all() and err < 1e-2, f"fallback fp8 wgrad M=1000: {err:.3e} (seed {seed})"
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "fp8_block", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("recipe,kernel", [("fp8", "auto"), ("fp8", "cublaslt"), ("fp8_block", "auto"),
+                                           ("fp8_block", "cublaslt"), ("mxfp8", "auto"), ("nvfp4", "auto")])
 @pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "accumulate"])
-def test_grouped(recipe, accumulate):
-    """Ragged groups [5, 0, 700, 200] of T = 1000 rows (95 rows past the groups), one call."""
+def test_grouped(recipe, kernel, accumulate):
+    """Ragged groups [5, 0, 700, 200] of T = 1000 rows (95 rows past the groups), one call; FP8 on both of its
+    paths (the wgmma kernel by default on a Hopper, cuBLASLt with the sizes read on the host)."""
     qx, qw, _ = RECIPES[recipe]
     rng, seed = _rng()
     t, k, n, sizes = 1000, K_, N_, [5, 0, 700, 200]
@@ -241,7 +243,8 @@ def test_grouped(recipe, accumulate):
     bs = [quantize(w, qw, "rowwise").rowwise for w in ws]
     bias = jnp.asarray(rng.standard_normal((len(sizes), n)), jnp.float32)
     c = jnp.asarray(rng.standard_normal((t, n)), jnp.float32) if accumulate else None
-    fn = jax.jit(lambda a, bs, gs, bias, c: G.grouped_gemm(a, bs, gs, jnp.float32, bias=bias, accumulate=c))
+    fn = jax.jit(lambda a, bs, gs, bias, c: G.grouped_gemm(a, bs, gs, jnp.float32, bias=bias, accumulate=c,
+                                                           kernel=kernel))
     out = np.asarray(fn(a, bs, jnp.asarray(sizes, jnp.int32), bias, c), np.float64)
     av = _dequant64(a)
     ref = np.zeros((t, n)) if c is None else np.asarray(c, np.float64).copy()
@@ -364,7 +367,7 @@ def test_dense_op_uses_kernels(recipe):
 
 def _hopper_only():
     if not G._hopper():
-        pytest.skip("the MXFP8 wgmma kernel is sm_90a only")
+        pytest.skip("the FP8 wgmma kernel is sm_90a only")
 
 
 def _poisoned_call(fn, *args, shape, dtype):
@@ -439,25 +442,38 @@ def test_mxfp8_auto_follows_wgmma_wins(monkeypatch):
         G.blockscaled_gemm(a, b, jnp.float32, kernel="wgmma")
 
 
+WGMMA_GROUPED = {  # (A quantizer, B quantizer, FFI target) on the FP8 wgmma kernel
+    "mxfp8": (MXFP8("e4m3"), MXFP8("e4m3"), G.MX_TARGET + "_grouped"),
+    "mxfp8_e5m2": (MXFP8("e5m2"), MXFP8("e4m3"), G.MX_TARGET + "_grouped"),
+    "fp8": (Float8CurrentScaling("e4m3"), Float8CurrentScaling("e4m3"), G.FP8_WGMMA_GROUPED),
+    "fp8_e5m2": (Float8CurrentScaling("e5m2"), Float8CurrentScaling("e4m3"), G.FP8_WGMMA_GROUPED),
+    "fp8_block": (Float8Block((1, 128)), Float8Block((128, 128)), G.FP8_WGMMA_GROUPED),  # N = 264: partial block
+    "fp8_block_1x128": (Float8Block((1, 128)), Float8Block((1, 128)), G.FP8_WGMMA_GROUPED),
+}
+
+
 @pytest.mark.parametrize("sizes", [[5, 0, 700, 200], [128, 256, 1, 127, 300], [0, 0], [600, 600]],
                          ids=["ragged", "tile-edges", "empty", "clamped"])
 @pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "accumulate"])
-def test_mxfp8_wgmma_grouped(sizes, accumulate):
-    """Groups read on the device: ragged sizes, group edges on and off 128-row tiles, all-empty groups
-    (every row past them) and sizes past T = 1000 (clamped like the host path: the second group gets 400)."""
+@pytest.mark.parametrize("recipe", sorted(WGMMA_GROUPED))
+def test_wgmma_grouped(recipe, sizes, accumulate):
+    """Groups read on the device, for every scaling of the FP8 wgmma kernel: ragged sizes, group edges on and
+    off 128-row tiles, all-empty groups (every row past them) and sizes past T = 1000 (clamped like the host
+    path: the second group gets 400)."""
     _hopper_only()
+    qa, qb, target = WGMMA_GROUPED[recipe]
     rng, seed = _rng()
-    t, k, n = 1000, 512, 264
+    t, k, n = 1000, 512 + 16 * (recipe != "mxfp8"), 264  # K = 528: a partial last 128-wide K tile
     x = jnp.asarray(rng.standard_normal((t, k)), jnp.float32)
-    a = quantize(x, MXFP8("e4m3"), "rowwise").rowwise
-    bs = [quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32), MXFP8("e4m3"), "rowwise").rowwise
-          for _ in sizes]
+    a = quantize(x, qa, "rowwise").rowwise
+    bs = [quantize(jnp.asarray(rng.standard_normal((n, k)) * rng.uniform(0.01, 0.1), jnp.float32), qb,
+                   "rowwise").rowwise for _ in sizes]
     bias = jnp.asarray(rng.standard_normal((len(sizes), n)), jnp.float32)
     c = jnp.asarray(rng.standard_normal((t, n)), jnp.float32) if accumulate else None
     fn = jax.jit(lambda a, bs, gs, bias, c: G.grouped_gemm(a, bs, gs, jnp.float32, bias=bias, accumulate=c,
                                                            kernel="wgmma"))
     hlo = fn.lower(a, bs, jnp.asarray(sizes, jnp.int32), bias, c).as_text()
-    assert G.MX_TARGET + "_grouped" in hlo
+    assert target in hlo
     out = _poisoned_call(fn, a, bs, jnp.asarray(sizes, jnp.int32), bias, c, shape=(t, n), dtype=jnp.float32)
     out = np.asarray(out, np.float64)
     av = _dequant64(a)
@@ -472,4 +488,4 @@ def test_mxfp8_wgmma_grouped(sizes, accumulate):
         assert (out[start:] == 0).all(), "rows past the groups must be zero"
     if start == 0 and not accumulate:
         return
-    _check(out, ref, jnp.float32, f"wgmma grouped {sizes} accumulate={accumulate} seed={seed}")
+    _check(out, ref, jnp.float32, f"wgmma grouped {recipe} {sizes} accumulate={accumulate} seed={seed}")

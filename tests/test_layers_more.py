@@ -261,3 +261,19 @@ def test_token_count_error_names_the_role():
     p = jax.eval_shape(lambda: m.init(jax.random.key(0), x))
     with pytest.raises(QuantizationError, match=r"input of linear/input@dense.*multiple of 16"):
         jax.eval_shape(jax.grad(lambda p: jnp.sum(m.apply(p, x, rngs={"quant": KEY}))), p)
+
+
+def test_rotary_matches_float64_rotation_and_its_transpose():
+    """rotary against the rotate-half formula in float64, and its gradient against the transposed rotation."""
+    x, g = rand(0, (2, 6, 3, 8)), rand(1, (2, 6, 3, 8))
+    pos = np.arange(6, dtype=np.float64)[:, None]
+    ang = pos * 10000.0 ** (-np.arange(4, dtype=np.float64) / 4)
+    cos, sin = np.cos(ang)[None, :, None, :], np.sin(ang)[None, :, None, :]
+    x1, x2 = np.split(np.asarray(x, np.float64), 2, -1)
+    g1, g2 = np.split(np.asarray(g, np.float64), 2, -1)
+    y, vjp = jax.vjp(jaxhq.layers.rotary, x)
+    # float32 angles and products: |error| ~ 1e-6 of |x| (positions < 6 keep the angles' rounding small)
+    np.testing.assert_allclose(np.asarray(y), np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1),
+                               rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(vjp(g)[0]), np.concatenate([g1 * cos + g2 * sin, g2 * cos - g1 * sin], -1),
+                               rtol=0, atol=1e-5)

@@ -24,6 +24,8 @@ from ..formats import Storage
 
 FP8_TARGET, DQ_TARGET, MX_TARGET = "jaxhq_gemm_fp8", "jaxhq_gemm_dq", "jaxhq_gemm_mxfp8"
 KERNELS = ("auto", "wgmma", "dequantize")  # the MXFP8 kernel choices of blockscaled_gemm / grouped_gemm
+FP8_GROUPED_KERNELS = ("auto", "wgmma", "cublaslt")  # grouped_gemm's choices for per-tensor / blockwise FP8
+FP8_WGMMA_GROUPED = "jaxhq_gemm_fp8_wgmma_grouped"
 MODE_TENSOR, MODE_VEC128, MODE_BLK128 = 0, 1, 2
 FMT_MX_E4M3, FMT_MX_E5M2, FMT_NVFP4 = 1, 2, 3
 # cuBLASLt's block-scale layout: 1x128 scales M-major [K/128, roundup(M, 4)], 128x128 scales K-major
@@ -223,6 +225,19 @@ def _use_wgmma(fa: int, fb: int, k: int, kernel: str, name: str, groups: int = 0
     return env == "wgmma" or (env == "auto" and WGMMA_WINS)
 
 
+def _fp8_grouped_wgmma(n: int, groups: int, kernel: str, name: str) -> bool:
+    """Whether a grouped per-tensor / blockwise FP8 GEMM runs on the FP8 wgmma kernel (group sizes read on the
+    device): "auto" where it applies (Hopper, N even, <= 1024 groups; K % 16 == 0 is checked before),
+    "wgmma" requires it, "cublaslt" never."""
+    if kernel not in FP8_GROUPED_KERNELS:
+        raise ValueError(f"{name}: kernel must be one of {FP8_GROUPED_KERNELS} for FP8, got {kernel!r}")
+    why = (f"N = {n} is odd" if n % 2 else f"{groups} groups (at most 1024)" if groups > 1024
+           else "the GPU is not a Hopper (sm_90a)" if not _hopper() else "")
+    if kernel == "wgmma" and why:
+        raise GemmUnsupported(f"{name}: the FP8 wgmma kernel does not apply: {why}")
+    return kernel == "wgmma" or (kernel == "auto" and not why)
+
+
 def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=None, accumulate=None,
                      kernel: str = "auto"):
     """A @ B.T (+ bias) (+ accumulate) for MXFP8 x MXFP8 (E4M3/E5M2) or NVFP4 x NVFP4 storages.
@@ -272,8 +287,9 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
                  fast_accum: bool = False, kernel: str = "auto"):
     """Ragged grouped GEMM for MoE in one FFI call: out[t] = A[t] @ bs[g(t)].T for A [T, K] sorted by group,
     G weight storages [N, K] (one format), group_sizes [G] int32 (rows past their sum give 0, or keep
-    `accumulate`), bias [G, N]. MXFP8 on the wgmma kernel reads group_sizes on the device (no host
-    synchronisation); the cuBLASLt paths read them on the host (one stream synchronisation).
+    `accumulate`), bias [G, N]. The FP8 wgmma kernel (Hopper: per-tensor and blockwise FP8 by default, MXFP8
+    with `kernel="wgmma"`) reads group_sizes on the device (no host synchronisation); the cuBLASLt paths
+    read them on the host (one stream synchronisation). For FP8, `kernel="cublaslt"` takes the cuBLASLt path.
     """
     name = "grouped GEMM"
     bs = list(bs)
@@ -297,12 +313,17 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
         out_dtype, bias_, c, aliases = _grouped_tail(t, g, n, out_dtype, bias, accumulate, name, 6)
         if not _registered():
             raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
-        call = jax.ffi.ffi_call(FP8_TARGET + "_grouped", jax.ShapeDtypeStruct((t, n), out_dtype),
-                                input_output_aliases=aliases, vmap_method="sequential")
         bdata = jnp.stack([s.data for s in bs])
         bscale = jnp.stack([jnp.asarray(s.scale_inv, jnp.float32) for s in bs])
-        return call(a.data, jnp.asarray(a.scale_inv, jnp.float32), bdata, bscale, sizes, bias_, c,
-                    mode_a=np.int32(ma), mode_b=np.int32(mb), layout=np.int32(_layout()[0]),
+        operands = (a.data, jnp.asarray(a.scale_inv, jnp.float32), bdata, bscale, sizes, bias_, c)
+        if _fp8_grouped_wgmma(n, g, kernel, name):
+            call = jax.ffi.ffi_call(FP8_WGMMA_GROUPED, jax.ShapeDtypeStruct((t, n), out_dtype),
+                                    input_output_aliases=aliases, vmap_method="sequential")
+            return call(*operands, mode_a=np.int32(ma), mode_b=np.int32(mb),
+                        accumulate=np.int32(accumulate is not None))
+        call = jax.ffi.ffi_call(FP8_TARGET + "_grouped", jax.ShapeDtypeStruct((t, n), out_dtype),
+                                input_output_aliases=aliases, vmap_method="sequential")
+        return call(*operands, mode_a=np.int32(ma), mode_b=np.int32(mb), layout=np.int32(_layout()[0]),
                     pad=np.int32(_layout()[1]), accumulate=np.int32(accumulate is not None),
                     fast_accum=np.int32(fast_accum))
     fa, fb = _dq_fmt(a, name), _dq_fmt(b0, name)

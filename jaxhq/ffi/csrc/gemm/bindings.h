@@ -47,6 +47,19 @@ auto gemm_fp8_grouped(B&& b) {
   return fp8_tail(fp8(std::move(b)).template Arg<ffi::AnyBuffer>());  // + group_sizes [G] int32
 }
 
+// The same operands on the FP8 wgmma kernel (Hopper, CUDA only): group sizes read on the device.
+template <typename B>
+auto gemm_fp8_wgmma_grouped(B&& b) {
+  return fp8(std::move(b))
+      .template Arg<ffi::AnyBuffer>()  // group_sizes [G] int32
+      .template Arg<ffi::AnyBuffer>()  // bias [G, N] or [0]
+      .template Arg<ffi::AnyBuffer>()  // c
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int32_t>("mode_a")
+      .template Attr<int32_t>("mode_b")
+      .template Attr<int32_t>("accumulate");
+}
+
 // MXFP8 or NVFP4 operands as bytes: data, scales, NVFP4 amax (or [0]) for A, then for B
 template <typename B>
 auto dq(B&& b) {

@@ -3,8 +3,10 @@
 //                   (Hopper, cuBLASLt >= 12.9) 1x128 / 128x128 fp32 block scales re-laid-out in scratch.
 //   jaxhq_gemm_dq:  MXFP8 or NVFP4 dequantized exactly to bf16 in scratch, then a cuBLASLt bf16 GEMM with
 //                   the NVFP4 global scales as alpha on the device.
-//   jaxhq_gemm_mxfp8: MXFP8 on Hopper FP8 tensor cores (mxfp8_wgmma.cu), the 1x32 scales applied in registers;
+//   jaxhq_gemm_mxfp8: MXFP8 on Hopper FP8 tensor cores (fp8_wgmma.cu), the 1x32 scales applied in registers;
 //                   its grouped version reads the group sizes on the device (no host synchronisation).
+//   jaxhq_gemm_fp8_wgmma_grouped: per-tensor / blockwise FP8 grouped on the same kernel (Hopper), the group
+//                   sizes read on the device; jaxhq_gemm_fp8_grouped is its cuBLASLt form (host sizes).
 // Optional bias [N] and accumulate-into (out aliases the `c` input). The dense handlers take their cuBLASLt
 // workspace and temporaries from a workspace result that XLA allocates with the call (sized by
 // jaxhq/ffi/gemm.py), so they are command-buffer compatible: XLA records them into its CUDA graphs with the
@@ -25,7 +27,7 @@
 #include "bindings.h"
 #include "cublaslt.h"
 #include "gemm_kernels.h"
-#include "mxfp8_wgmma.h"
+#include "fp8_wgmma.h"
 #include "registry.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -715,27 +717,39 @@ ffi::Error check_grouped_out(int64_t t, int64_t g, int64_t n, const ffi::AnyBuff
   return ffi::Error::Success();
 }
 
-ffi::Error gemm_fp8_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi::AnyBuffer a, ffi::AnyBuffer sa,
-                            ffi::AnyBuffer b, ffi::AnyBuffer sb, ffi::AnyBuffer gs, ffi::AnyBuffer bias,
-                            ffi::AnyBuffer cin, ffi::Result<ffi::AnyBuffer> out, int32_t mode_a, int32_t mode_b,
-                            int32_t layout, int32_t pad, int32_t accumulate, int32_t fast_accum) {
-  Scratch scratch{alloc};
+// The operands of a grouped per-tensor / blockwise FP8 call: A [T, K], B [G, N, K], their fp32 scales.
+ffi::Error check_fp8_grouped(const ffi::AnyBuffer& a, const ffi::AnyBuffer& sa, const ffi::AnyBuffer& b,
+                             const ffi::AnyBuffer& sb, int32_t mode_a, int32_t mode_b, LtCall* c, int64_t* t,
+                             int64_t* groups) {
   auto da = a.dimensions(), db = b.dimensions();
   if (da.size() != 2 || db.size() != 3 || da[1] != db[2])
     return invalid("grouped FP8: A must be [T, K] and B [G, N, K], got " + dims(a) + " and " + dims(b));
-  const int64_t t = da[0], k = da[1], groups = db[0], n = db[1];
-  LtCall c{};
-  c.n = n, c.k = k;
-  c.type_a = fp8_type(a.element_type()), c.type_b = fp8_type(b.element_type());
-  if (c.type_a < 0 || c.type_b < 0) return invalid("FP8 GEMM operands must be float8_e4m3fn or float8_e5m2");
-  if (c.type_a == lt::kR8F_E5M2 && c.type_b == lt::kR8F_E5M2) return invalid("E5M2 x E5M2 is not supported");
+  const int64_t k = da[1], n = db[1];
+  *t = da[0], *groups = db[0];
+  c->n = n, c->k = k;
+  c->type_a = fp8_type(a.element_type()), c->type_b = fp8_type(b.element_type());
+  if (c->type_a < 0 || c->type_b < 0) return invalid("FP8 GEMM operands must be float8_e4m3fn or float8_e5m2");
+  if (c->type_a == lt::kR8F_E5M2 && c->type_b == lt::kR8F_E5M2) return invalid("E5M2 x E5M2 is not supported");
   if (k % 16) return invalid("FP8 GEMM needs K % 16 == 0, got K = " + std::to_string(k));
   if (mode_a == kBlk128) return invalid("grouped FP8: A (ragged rows) cannot have 128x128 scales");
   if (mode_a < 0 || mode_b < 0 || mode_b > 2 || (mode_a == kTensor) != (mode_b == kTensor))
     return invalid("grouped FP8: bad scale modes");
   if (sa.element_type() != ffi::DataType::F32 || sb.element_type() != ffi::DataType::F32) return invalid("scale_inv must be float32");
-  if (int64_t(sa.element_count()) != scale_count(mode_a, t, k) || int64_t(sb.element_count()) != groups * scale_count(mode_b, n, k))
+  if (int64_t(sa.element_count()) != scale_count(mode_a, *t, k) ||
+      int64_t(sb.element_count()) != *groups * scale_count(mode_b, n, k))
     return invalid("grouped FP8: scale_inv sizes " + dims(sa) + " / " + dims(sb) + " do not match the operands");
+  return ffi::Error::Success();
+}
+
+ffi::Error gemm_fp8_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi::AnyBuffer a, ffi::AnyBuffer sa,
+                            ffi::AnyBuffer b, ffi::AnyBuffer sb, ffi::AnyBuffer gs, ffi::AnyBuffer bias,
+                            ffi::AnyBuffer cin, ffi::Result<ffi::AnyBuffer> out, int32_t mode_a, int32_t mode_b,
+                            int32_t layout, int32_t pad, int32_t accumulate, int32_t fast_accum) {
+  Scratch scratch{alloc};
+  LtCall c{};
+  int64_t t, groups;
+  if (auto e = check_fp8_grouped(a, sa, b, sb, mode_a, mode_b, &c, &t, &groups); e.failure()) return e;
+  const int64_t k = c.k, n = c.n;
   if (auto e = check_grouped_out(t, groups, n, bias, cin, out, accumulate, &c); e.failure()) return e;
   std::vector<int64_t> starts, sizes;
   if (auto e = host_sizes(stream, gs, groups, t, &starts, &sizes); e.failure()) return e;
@@ -803,23 +817,35 @@ ffi::Error gemm_dq_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi
 // ---- MXFP8 on FP8 wgmma (Hopper). Dense: A [M, K], B [N, K]; grouped: A [T, K], B [G, N, K], group_sizes [G]
 // read by the kernel on the device, so the call never synchronises the stream.
 ffi::Error mx_operand(const ffi::AnyBuffer& x, const ffi::AnyBuffer& s, int64_t groups, int64_t rows, int32_t fmt,
-                      int64_t k, const char* which, gemm::Mxfp8Operand* op) {
+                      int64_t k, const char* which, gemm::WgmmaOperand* op) {
   if (fmt != kMxE4M3 && fmt != kMxE5M2)
     return invalid(std::string(which) + ": the MXFP8 kernel takes E4M3/E5M2 MXFP8 only (format id " + std::to_string(fmt) + ")");
   if (auto e = check_dq(x, s, groups, rows, fmt, k, which); e.failure()) return e;
-  *op = gemm::Mxfp8Operand{static_cast<const uint8_t*>(x.untyped_data()), static_cast<const uint8_t*>(s.untyped_data()),
+  *op = gemm::WgmmaOperand{static_cast<const uint8_t*>(x.untyped_data()), static_cast<const uint8_t*>(s.untyped_data()),
                            groups * rows, fmt == kMxE5M2};
   return ffi::Error::Success();
 }
 
-ffi::Error run_mxfp8(cudaStream_t stream, Scratch& scratch, const gemm::Mxfp8Operand& a, const gemm::Mxfp8Operand& b,
-                     int64_t n, int64_t k, const int32_t* gs, int64_t groups, const LtCall& c) {
-  void* sa = scratch.get(gemm::mxfp8_scale_bytes(a.rows, k));
-  void* sb = scratch.get(gemm::mxfp8_scale_bytes(b.rows, k));
-  if (!sa || !sb) return out_of_scratch(scratch, "the MXFP8 scales");
-  std::string e = gemm::mxfp8_wgmma_gemm(a, b, n, k, gs, groups, c.d, c.out_type == lt::kR32F, c.bias, c.accumulate, sa,
-                                         sb, stream);
-  return e.empty() ? ffi::Error::Success() : invalid("MXFP8 wgmma GEMM: " + e);
+ffi::Error run_wgmma(cudaStream_t stream, Scratch& scratch, int scaling, const gemm::WgmmaOperand& a,
+                     const gemm::WgmmaOperand& b, int64_t n, int64_t k, const int32_t* gs, int64_t groups,
+                     const LtCall& c) {
+  void *sa = nullptr, *sb = nullptr;
+  if (scaling != gemm::kScaleTensor) {
+    sa = scratch.get(gemm::wgmma_scale_bytes(scaling, a.rows, k));
+    sb = scratch.get(gemm::wgmma_scale_bytes(scaling, b.rows, k));
+    if (!sa || !sb) return out_of_scratch(scratch, "the wgmma kernel's scales");
+  }
+  std::string e = gemm::wgmma_gemm(scaling, a, b, n, k, gs, groups, c.d, c.out_type == lt::kR32F, c.bias,
+                                   c.accumulate, sa, sb, stream);
+  return e.empty() ? ffi::Error::Success() : invalid("FP8 wgmma GEMM: " + e);
+}
+
+// Rows past the groups when there are none: zero unless accumulating.
+ffi::Error zero_all(cudaStream_t stream, const LtCall& c, int64_t t, int64_t n) {
+  if (!c.accumulate && t * n > 0 &&
+      cudaMemsetAsync(c.d, 0, size_t(t * n) * (c.out_type == lt::kR32F ? 4 : 2), stream) != cudaSuccess)
+    return internal("zeroing the output failed");
+  return ffi::Error::Success();
 }
 
 ffi::Error gemm_mxfp8(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi::AnyBuffer a, ffi::AnyBuffer sa,
@@ -828,12 +854,12 @@ ffi::Error gemm_mxfp8(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi::Any
   Scratch scratch{alloc};
   auto da = a.dimensions(), db = b.dimensions();
   if (da.size() != 2 || db.size() != 2) return invalid("MXFP8: A and B data must be 2D, got " + dims(a) + " and " + dims(b));
-  gemm::Mxfp8Operand oa, ob;
+  gemm::WgmmaOperand oa, ob;
   if (auto e = mx_operand(a, sa, 1, da[0], fmt_a, k, "A", &oa); e.failure()) return e;
   if (auto e = mx_operand(b, sb, 1, db[0], fmt_b, k, "B", &ob); e.failure()) return e;
   LtCall c{};
   if (auto e = check_out(da[0], db[0], bias, cin, out, accumulate, &c); e.failure()) return e;
-  return run_mxfp8(stream, scratch, oa, ob, db[0], k, nullptr, 0, c);
+  return run_wgmma(stream, scratch, gemm::kScaleMx, oa, ob, db[0], k, nullptr, 0, c);
 }
 
 ffi::Error gemm_mxfp8_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi::AnyBuffer a, ffi::AnyBuffer sa,
@@ -847,18 +873,36 @@ ffi::Error gemm_mxfp8_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, 
   const int64_t t = da[0], groups = db[0], n = db[1];
   if (gs.element_type() != ffi::DataType::S32 || int64_t(gs.element_count()) != groups)
     return invalid("group_sizes must be int32 [" + std::to_string(groups) + "], got " + dims(gs));
-  gemm::Mxfp8Operand oa, ob;
+  gemm::WgmmaOperand oa, ob;
   if (auto e = mx_operand(a, sa, 1, t, fmt_a, k, "A", &oa); e.failure()) return e;
   if (auto e = mx_operand(b, sb, groups, n, fmt_b, k, "B", &ob); e.failure()) return e;
   LtCall c{};
   if (auto e = check_grouped_out(t, groups, n, bias, cin, out, accumulate, &c); e.failure()) return e;
-  if (groups == 0) {  // no groups: every row is past them
-    if (!c.accumulate && t * n > 0 &&
-        cudaMemsetAsync(c.d, 0, size_t(t * n) * (c.out_type == lt::kR32F ? 4 : 2), stream) != cudaSuccess)
-      return internal("zeroing the output failed");
-    return ffi::Error::Success();
-  }
-  return run_mxfp8(stream, scratch, oa, ob, n, k, static_cast<const int32_t*>(gs.untyped_data()), groups, c);
+  if (groups == 0) return zero_all(stream, c, t, n);  // no groups: every row is past them
+  return run_wgmma(stream, scratch, gemm::kScaleMx, oa, ob, n, k, static_cast<const int32_t*>(gs.untyped_data()),
+                   groups, c);
+}
+
+// ---- Per-tensor and blockwise FP8 on the same wgmma kernel, grouped: the group sizes read on the device.
+ffi::Error gemm_fp8_wgmma_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi::AnyBuffer a,
+                                  ffi::AnyBuffer sa, ffi::AnyBuffer b, ffi::AnyBuffer sb, ffi::AnyBuffer gs,
+                                  ffi::AnyBuffer bias, ffi::AnyBuffer cin, ffi::Result<ffi::AnyBuffer> out,
+                                  int32_t mode_a, int32_t mode_b, int32_t accumulate) {
+  Scratch scratch{alloc};
+  LtCall c{};
+  int64_t t, groups;
+  if (auto e = check_fp8_grouped(a, sa, b, sb, mode_a, mode_b, &c, &t, &groups); e.failure()) return e;
+  const int64_t k = c.k, n = c.n;
+  if (gs.element_type() != ffi::DataType::S32 || int64_t(gs.element_count()) != groups)
+    return invalid("group_sizes must be int32 [" + std::to_string(groups) + "], got " + dims(gs));
+  if (auto e = check_grouped_out(t, groups, n, bias, cin, out, accumulate, &c); e.failure()) return e;
+  if (groups == 0) return zero_all(stream, c, t, n);
+  const gemm::WgmmaOperand oa{static_cast<const uint8_t*>(a.untyped_data()), sa.untyped_data(), t,
+                              c.type_a == lt::kR8F_E5M2};
+  const gemm::WgmmaOperand ob{static_cast<const uint8_t*>(b.untyped_data()), sb.untyped_data(), groups * n,
+                              c.type_b == lt::kR8F_E5M2, mode_b == kBlk128};
+  return run_wgmma(stream, scratch, mode_a == kTensor ? gemm::kScaleTensor : gemm::kScaleBlock, oa, ob, n, k,
+                   static_cast<const int32_t*>(gs.untyped_data()), groups, c);
 }
 // The CUDA handlers' binding prefixes: the stream (dense: temporaries in the workspace result), then XLA's
 // scratch allocator (grouped).
@@ -894,6 +938,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_mxfp8, jaxhq::gemm_mxfp8,
                                   .Attr<int64_t>("k")
                                   .Attr<int32_t>("accumulate"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_fp8_wgmma_grouped, jaxhq::gemm_fp8_wgmma_grouped,
+                              jaxhq::gemm_bind::gemm_fp8_wgmma_grouped(jaxhq::cuda_bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_mxfp8_grouped, jaxhq::gemm_mxfp8_grouped,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -920,6 +966,7 @@ const GemmHandler* gemm_cuda_handlers() {
       {"jaxhq_gemm_dq_grouped", reinterpret_cast<void*>(jaxhq_cuda_gemm_dq_grouped)},
       {"jaxhq_gemm_mxfp8", reinterpret_cast<void*>(jaxhq_cuda_gemm_mxfp8)},
       {"jaxhq_gemm_mxfp8_grouped", reinterpret_cast<void*>(jaxhq_cuda_gemm_mxfp8_grouped)},
+      {"jaxhq_gemm_fp8_wgmma_grouped", reinterpret_cast<void*>(jaxhq_cuda_gemm_fp8_wgmma_grouped)},
       {nullptr, nullptr},
   };
   return table;

@@ -7,6 +7,6 @@ set(JAXHQ_GEMM_SOURCES
     "${JAXHQ_GEMM_DIR}/gemm_handlers.cc"
     "${JAXHQ_GEMM_DIR}/cublaslt.cc"
     "${JAXHQ_GEMM_DIR}/gemm_kernels.cu"
-    "${JAXHQ_GEMM_DIR}/mxfp8_wgmma.cu")
+    "${JAXHQ_GEMM_DIR}/fp8_wgmma.cu")
 set(JAXHQ_GEMM_INCLUDES "${JAXHQ_GEMM_DIR}")
 set(JAXHQ_GEMM_LIBS ${CMAKE_DL_LIBS})
