@@ -61,7 +61,8 @@ def test_cpu_bias_and_accumulate(recipe, dtype):
 @pytest.mark.parametrize("recipe", ["fp8", "fp8_block", "mxfp8", "nvfp4"])
 @pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "accumulate"])
 def test_cpu_grouped(recipe, accumulate):
-    """Ragged groups [5, 0, 70, 20] of T = 100 rows: 5 rows past the groups are zero (or keep `c`)."""
+    """Ragged groups [5, 0, 70, 20] of T = 100 rows: 5 rows past the groups are zero (or keep `c`); the weights
+    as a list or stacked once."""
     from jaxhq.formats import quantize
     qx, qw, _ = RECIPES[recipe]
     rng = np.random.default_rng(5)
@@ -73,6 +74,9 @@ def test_cpu_grouped(recipe, accumulate):
     c = jnp.asarray(rng.standard_normal((t, n)), jnp.float32) if accumulate else None
     fn = jax.jit(lambda a, bs, gs, bias, c: G.grouped_gemm(a, bs, gs, jnp.float32, bias=bias, accumulate=c))
     out = np.asarray(fn(a, bs, jnp.asarray(sizes, jnp.int32), bias, c), np.float64)
+    # the weights stacked once (one Storage with a group axis) make the same call: the same bits
+    stacked = np.asarray(fn(a, G.stack_storages(bs), jnp.asarray(sizes, jnp.int32), bias, c), np.float64)
+    np.testing.assert_array_equal(stacked, out)
     av = _dequant64(a)
     ref = np.zeros((t, n)) if c is None else np.asarray(c, np.float64).copy()
     mag = np.abs(ref)
@@ -86,6 +90,20 @@ def test_cpu_grouped(recipe, accumulate):
     _check(out, ref, mag, jnp.float32, f"grouped {recipe} accumulate={accumulate}")
     if not accumulate:
         assert (out[start:] == 0).all(), "rows past the groups must be zero"
+
+
+def test_stack_storages_rejects_mixed_groups():
+    """Grouped weights of different formats (or none) are an error naming the cause, not a silent stack."""
+    from jaxhq.formats import quantize
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((64, 256)), jnp.float32)
+    per_tensor = quantize(w, RECIPES["fp8"][1], "rowwise").rowwise
+    blockwise = quantize(w, RECIPES["fp8_block"][1], "rowwise").rowwise
+    with pytest.raises(G.GemmUnsupported, match="differ in format or shape"):
+        G.stack_storages([per_tensor, blockwise])
+    with pytest.raises(G.GemmUnsupported, match="no groups"):
+        G.stack_storages([])
+    with pytest.raises(G.GemmUnsupported, match="need data \\[G, N"):
+        G.grouped_gemm(per_tensor, per_tensor, jnp.ones((1,), jnp.int32))
 
 
 def test_cpu_handler_rejects_a_mismatched_call():

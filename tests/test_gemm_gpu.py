@@ -472,9 +472,10 @@ def test_wgmma_grouped(recipe, sizes, accumulate):
     c = jnp.asarray(rng.standard_normal((t, n)), jnp.float32) if accumulate else None
     fn = jax.jit(lambda a, bs, gs, bias, c: G.grouped_gemm(a, bs, gs, jnp.float32, bias=bias, accumulate=c,
                                                            kernel="wgmma"))
-    hlo = fn.lower(a, bs, jnp.asarray(sizes, jnp.int32), bias, c).as_text()
+    stacked = G.stack_storages(bs)  # the weights stacked once (test_grouped passes them as a list)
+    hlo = fn.lower(a, stacked, jnp.asarray(sizes, jnp.int32), bias, c).as_text()
     assert target in hlo
-    out = _poisoned_call(fn, a, bs, jnp.asarray(sizes, jnp.int32), bias, c, shape=(t, n), dtype=jnp.float32)
+    out = _poisoned_call(fn, a, stacked, jnp.asarray(sizes, jnp.int32), bias, c, shape=(t, n), dtype=jnp.float32)
     out = np.asarray(out, np.float64)
     av = _dequant64(a)
     ref = np.zeros((t, n)) if c is None else np.asarray(c, np.float64).copy()

@@ -286,21 +286,19 @@ def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=Non
 def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=None, accumulate=None,
                  fast_accum: bool = False, kernel: str = "auto"):
     """Ragged grouped GEMM for MoE in one FFI call: out[t] = A[t] @ bs[g(t)].T for A [T, K] sorted by group,
-    G weight storages [N, K] (one format), group_sizes [G] int32 (rows past their sum give 0, or keep
-    `accumulate`), bias [G, N]. The FP8 wgmma kernel (Hopper: per-tensor and blockwise FP8 by default, MXFP8
+    G weight storages [N, K] (one format) as a list, or as one Storage whose arrays carry a leading group axis
+    (data [G, N, ...], e.g. the storages stacked once with `stack_storages`: a list is stacked on every call),
+    group_sizes [G] int32 (rows past their sum give 0, or keep `accumulate`), bias [G, N]. The FP8 wgmma kernel (Hopper: per-tensor and blockwise FP8 by default, MXFP8
     with `kernel="wgmma"`) reads group_sizes on the device (no host synchronisation); the cuBLASLt paths
     read them on the host (one stream synchronisation). For FP8, `kernel="cublaslt"` takes the cuBLASLt path.
     """
     name = "grouped GEMM"
-    bs = list(bs)
-    if not bs:
-        raise GemmUnsupported(f"{name}: no groups")
-    fams = {s.quantizer.name for s in bs}
-    labels = {s.format for s in bs}
-    if len(labels) != 1 or len({s.data.shape for s in bs}) != 1:
-        raise GemmUnsupported(f"{name}: the groups' weights differ in format or shape ({sorted(labels)})")
-    b0 = bs[0]
-    g = len(bs)
+    stacked = bs if isinstance(bs, Storage) else stack_storages(bs, name)
+    if stacked.data.ndim != 3:
+        raise GemmUnsupported(f"{name}: stacked weights need data [G, N, ...], got {stacked.data.shape}")
+    b0 = jax.tree.map(lambda x: x[0], stacked)  # one group's storage, for the checks
+    fams = {b0.quantizer.name}
+    g = stacked.data.shape[0]
     sizes = jnp.asarray(group_sizes, jnp.int32).reshape(g)
     t = a.data.shape[0]
     if a.quantizer.name in ("fp8", "fp8_delayed", "fp8_block") and fams <= {"fp8", "fp8_delayed", "fp8_block"}:
@@ -313,9 +311,8 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
         out_dtype, bias_, c, aliases = _grouped_tail(t, g, n, out_dtype, bias, accumulate, name, 6)
         if not _registered():
             raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
-        bdata = jnp.stack([s.data for s in bs])
-        bscale = jnp.stack([jnp.asarray(s.scale_inv, jnp.float32) for s in bs])
-        operands = (a.data, jnp.asarray(a.scale_inv, jnp.float32), bdata, bscale, sizes, bias_, c)
+        operands = (a.data, jnp.asarray(a.scale_inv, jnp.float32), stacked.data,
+                    jnp.asarray(stacked.scale_inv, jnp.float32), sizes, bias_, c)
         if _fp8_grouped_wgmma(n, g, kernel, name):
             call = jax.ffi.ffi_call(FP8_WGMMA_GROUPED, jax.ShapeDtypeStruct((t, n), out_dtype),
                                     input_output_aliases=aliases, vmap_method="sequential")
@@ -331,10 +328,10 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
     if k != kb or (fa == FMT_NVFP4) != (fb == FMT_NVFP4):
         raise GemmUnsupported(f"{name}: no kernel for {a.format} {a.shape} x {b0.format} {b0.shape}")
     if fa == FMT_NVFP4:
-        if any(a.quantizer.uses_rht(a.axis) != s.quantizer.uses_rht(s.axis) for s in bs) or k % 16:
+        if a.quantizer.uses_rht(a.axis) != b0.quantizer.uses_rht(b0.axis) or k % 16:
             raise GemmUnsupported(f"{name}: NVFP4 needs K % 16 == 0 and the same Hadamard use on both sides")
         amax_a = jnp.asarray(a.amax, jnp.float32)
-        amax_b = jnp.stack([jnp.asarray(s.amax, jnp.float32).reshape(()) for s in bs])
+        amax_b = jnp.asarray(stacked.amax, jnp.float32).reshape(g)
     else:
         if k % 8:
             raise GemmUnsupported(f"{name}: MXFP8 needs K % 8 == 0, got {k}")
@@ -345,8 +342,8 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
             raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
         call = jax.ffi.ffi_call(MX_TARGET + "_grouped", jax.ShapeDtypeStruct((t, n), out_dtype),
                                 input_output_aliases=aliases, vmap_method="sequential")
-        return call(_u8(a.data), _u8(a.scale_inv), jnp.stack([_u8(s.data) for s in bs]),
-                    jnp.stack([_u8(s.scale_inv) for s in bs]), sizes, bias_, c, fmt_a=np.int32(fa),
+        return call(_u8(a.data), _u8(a.scale_inv), _u8(stacked.data), _u8(stacked.scale_inv), sizes, bias_, c,
+                    fmt_a=np.int32(fa),
                     fmt_b=np.int32(fb), k=np.int64(k), accumulate=np.int32(accumulate is not None))
     out_dtype, bias_, c, aliases = _grouped_tail(t, g, n, out_dtype, bias, accumulate, name, 8)
     if not _registered():
@@ -354,10 +351,21 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
     call = jax.ffi.ffi_call(DQ_TARGET + "_grouped", jax.ShapeDtypeStruct((t, n), out_dtype),
                             input_output_aliases=aliases,
                             vmap_method="sequential")
-    bdata = jnp.stack([_u8(s.data) for s in bs])
-    bscale = jnp.stack([_u8(s.scale_inv) for s in bs])
-    return call(_u8(a.data), _u8(a.scale_inv), amax_a, bdata, bscale, amax_b, sizes, bias_, c,
+    return call(_u8(a.data), _u8(a.scale_inv), amax_a, _u8(stacked.data), _u8(stacked.scale_inv), amax_b, sizes,
+                bias_, c,
                 fmt_a=np.int32(fa), fmt_b=np.int32(fb), k=np.int64(k), accumulate=np.int32(accumulate is not None))
+
+
+def stack_storages(bs, name: str = "stack_storages") -> Storage:
+    """G storages of one format and shape -> one Storage whose arrays have a leading group axis: the stacked
+    form grouped_gemm takes (stack the weights once, not on every call)."""
+    bs = list(bs)
+    if not bs:
+        raise GemmUnsupported(f"{name}: no groups")
+    kinds = {(s.format, s.axis, s.shape, s.data.shape, s.data.dtype) for s in bs}
+    if len(kinds) != 1:
+        raise GemmUnsupported(f"{name}: the groups' weights differ in format or shape ({sorted(map(str, kinds))})")
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *bs)
 
 
 def _grouped_tail(t, g, n, out_dtype, bias, accumulate, name, c_index):
