@@ -205,37 +205,44 @@ def _hopper() -> bool:
 WGMMA_WINS = False
 
 
-def _use_wgmma(fa: int, fb: int, k: int, kernel: str, name: str, groups: int = 0) -> bool:
-    """Whether an MXFP8 pair runs on the FP8-wgmma kernel: `kernel` "auto" picks it where it applies (Hopper,
-    MXFP8 on both sides, K % 16 == 0 for TMA rows, <= 1024 groups) and wins, "wgmma" requires it, "dequantize"
-    never. JAXHQ_MXFP8_GEMM=wgmma|dequantize overrides "auto" process-wide where the kernel applies (A/B timing)."""
-    if kernel not in KERNELS:
-        raise ValueError(f"{name}: kernel must be one of {KERNELS}, got {kernel!r}")
-    mx = fa != FMT_NVFP4 and fb != FMT_NVFP4
-    why = ("not MXFP8 x MXFP8" if not mx else f"K = {k} is not a positive multiple of 16" if k <= 0 or k % 16
-           else f"{groups} groups (at most 1024)" if groups > 1024
-           else "the GPU is not a Hopper (sm_90a)" if not _hopper() else "")
+def _wgmma_unfit(n: int, k: int, groups: int = 0) -> str:
+    """Why the FP8 wgmma kernel cannot take an [M, K] x [N, K] GEMM ("" when it can): its limits in
+    fp8_wgmma.h (K % 16 for TMA rows, paired output stores, <= 1024 groups) and the GPU."""
+    return (f"K = {k} is not a positive multiple of 16" if k <= 0 or k % 16 else f"N = {n} is odd" if n % 2
+            else f"{groups} groups (at most 1024)" if groups > 1024
+            else "the GPU is not a Hopper (sm_90a)" if not _hopper() else "")
+
+
+def _settled(kernel: str, choices: tuple, why: str, name: str):
+    """A `kernel` argument's choice of the FP8 wgmma kernel where it settles it: "wgmma" takes it (an error
+    when `why` says it cannot), the other non-"auto" choices and "auto" where the kernel does not apply
+    decline it; None for "auto" where it applies (the caller decides)."""
+    if kernel not in choices:
+        raise ValueError(f"{name}: kernel must be one of {choices}, got {kernel!r}")
     if kernel == "wgmma" and why:
-        raise GemmUnsupported(f"{name}: the MXFP8 wgmma kernel does not apply: {why}")
-    if kernel != "auto" or why:
-        return kernel == "wgmma"
+        raise GemmUnsupported(f"{name}: the FP8 wgmma kernel does not apply: {why}")
+    return kernel == "wgmma" if kernel != "auto" or why else None
+
+
+def _use_wgmma(fa: int, fb: int, n: int, k: int, kernel: str, name: str, groups: int = 0) -> bool:
+    """Whether an MXFP8 pair runs on the FP8-wgmma kernel: `kernel` "auto" picks it where it applies
+    (`_wgmma_unfit`, MXFP8 on both sides) and wins, "wgmma" requires it, "dequantize" never.
+    JAXHQ_MXFP8_GEMM=wgmma|dequantize overrides "auto" process-wide where the kernel applies (A/B timing)."""
+    mx = fa != FMT_NVFP4 and fb != FMT_NVFP4
+    settled = _settled(kernel, KERNELS, _wgmma_unfit(n, k, groups) if mx else "not MXFP8 x MXFP8", name)
+    if settled is not None:
+        return settled
     env = os.environ.get("JAXHQ_MXFP8_GEMM", "auto")
     if env not in KERNELS:
         raise ValueError(f"JAXHQ_MXFP8_GEMM must be one of {KERNELS}, got {env!r}")
     return env == "wgmma" or (env == "auto" and WGMMA_WINS)
 
 
-def _fp8_grouped_wgmma(n: int, groups: int, kernel: str, name: str) -> bool:
+def _fp8_grouped_wgmma(n: int, k: int, groups: int, kernel: str, name: str) -> bool:
     """Whether a grouped per-tensor / blockwise FP8 GEMM runs on the FP8 wgmma kernel (group sizes read on the
-    device): "auto" where it applies (Hopper, N even, <= 1024 groups; K % 16 == 0 is checked before),
-    "wgmma" requires it, "cublaslt" never."""
-    if kernel not in FP8_GROUPED_KERNELS:
-        raise ValueError(f"{name}: kernel must be one of {FP8_GROUPED_KERNELS} for FP8, got {kernel!r}")
-    why = (f"N = {n} is odd" if n % 2 else f"{groups} groups (at most 1024)" if groups > 1024
-           else "the GPU is not a Hopper (sm_90a)" if not _hopper() else "")
-    if kernel == "wgmma" and why:
-        raise GemmUnsupported(f"{name}: the FP8 wgmma kernel does not apply: {why}")
-    return kernel == "wgmma" or (kernel == "auto" and not why)
+    device): "auto" wherever it applies, "wgmma" requires it, "cublaslt" never."""
+    settled = _settled(kernel, FP8_GROUPED_KERNELS, _wgmma_unfit(n, k, groups), name)
+    return True if settled is None else settled
 
 
 def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=None, accumulate=None,
@@ -253,7 +260,7 @@ def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=Non
         raise GemmUnsupported(f"{name}: K differs: A {a.shape} ({a.format}), B {b.shape} ({b.format})")
     if (fa == FMT_NVFP4) != (fb == FMT_NVFP4):
         raise GemmUnsupported(f"{name}: no kernel for {a.format} x {b.format}")
-    if _use_wgmma(fa, fb, k, kernel, name):
+    if _use_wgmma(fa, fb, n, k, kernel, name):
         out_dtype, bias_, c, aliases = _out_tail(m, n, out_dtype, bias, accumulate, name)
         if not _registered():
             raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
@@ -288,20 +295,23 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
     """Ragged grouped GEMM for MoE in one FFI call: out[t] = A[t] @ bs[g(t)].T for A [T, K] sorted by group,
     G weight storages [N, K] (one format) as a list, or as one Storage whose arrays carry a leading group axis
     (data [G, N, ...], e.g. the storages stacked once with `stack_storages`: a list is stacked on every call),
-    group_sizes [G] int32 (rows past their sum give 0, or keep `accumulate`), bias [G, N]. The FP8 wgmma kernel (Hopper: per-tensor and blockwise FP8 by default, MXFP8
-    with `kernel="wgmma"`) reads group_sizes on the device (no host synchronisation); the cuBLASLt paths
-    read them on the host (one stream synchronisation). For FP8, `kernel="cublaslt"` takes the cuBLASLt path.
+    group_sizes [G] int32 (rows past their sum give 0, or keep `accumulate`), bias [G, N].
+
+    The FP8 wgmma kernel (Hopper: per-tensor and blockwise FP8 by default, MXFP8 with `kernel="wgmma"`) reads
+    group_sizes on the device (no host synchronisation) and promotes its sums every 128-wide K step; the
+    cuBLASLt paths read them on the host (one stream synchronisation). For FP8, `kernel="cublaslt"` takes the
+    cuBLASLt path, where `fast_accum` applies.
     """
     name = "grouped GEMM"
     stacked = bs if isinstance(bs, Storage) else stack_storages(bs, name)
     if stacked.data.ndim != 3:
         raise GemmUnsupported(f"{name}: stacked weights need data [G, N, ...], got {stacked.data.shape}")
     b0 = jax.tree.map(lambda x: x[0], stacked)  # one group's storage, for the checks
-    fams = {b0.quantizer.name}
     g = stacked.data.shape[0]
     sizes = jnp.asarray(group_sizes, jnp.int32).reshape(g)
     t = a.data.shape[0]
-    if a.quantizer.name in ("fp8", "fp8_delayed", "fp8_block") and fams <= {"fp8", "fp8_delayed", "fp8_block"}:
+    fp8_families = ("fp8", "fp8_delayed", "fp8_block")
+    if a.quantizer.name in fp8_families and b0.quantizer.name in fp8_families:
         ma, mb = _fp8_mode(a, name), _fp8_mode(b0, name)
         (_, k), (n, kb) = a.data.shape, b0.data.shape
         if k != kb or k % 16 or ma == MODE_BLK128 or (ma == MODE_TENSOR) != (mb == MODE_TENSOR):
@@ -313,7 +323,7 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
             raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
         operands = (a.data, jnp.asarray(a.scale_inv, jnp.float32), stacked.data,
                     jnp.asarray(stacked.scale_inv, jnp.float32), sizes, bias_, c)
-        if _fp8_grouped_wgmma(n, g, kernel, name):
+        if _fp8_grouped_wgmma(n, k, g, kernel, name):
             call = jax.ffi.ffi_call(FP8_WGMMA_GROUPED, jax.ShapeDtypeStruct((t, n), out_dtype),
                                     input_output_aliases=aliases, vmap_method="sequential")
             return call(*operands, mode_a=np.int32(ma), mode_b=np.int32(mb),
@@ -336,15 +346,14 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
         if k % 8:
             raise GemmUnsupported(f"{name}: MXFP8 needs K % 8 == 0, got {k}")
         amax_a = amax_b = _empty(jnp.float32)
-    if _use_wgmma(fa, fb, k, kernel, name, groups=g):
+    if _use_wgmma(fa, fb, n, k, kernel, name, groups=g):
         out_dtype, bias_, c, aliases = _grouped_tail(t, g, n, out_dtype, bias, accumulate, name, 6)
         if not _registered():
             raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
         call = jax.ffi.ffi_call(MX_TARGET + "_grouped", jax.ShapeDtypeStruct((t, n), out_dtype),
                                 input_output_aliases=aliases, vmap_method="sequential")
         return call(_u8(a.data), _u8(a.scale_inv), _u8(stacked.data), _u8(stacked.scale_inv), sizes, bias_, c,
-                    fmt_a=np.int32(fa),
-                    fmt_b=np.int32(fb), k=np.int64(k), accumulate=np.int32(accumulate is not None))
+                    fmt_a=np.int32(fa), fmt_b=np.int32(fb), k=np.int64(k), accumulate=np.int32(accumulate is not None))
     out_dtype, bias_, c, aliases = _grouped_tail(t, g, n, out_dtype, bias, accumulate, name, 8)
     if not _registered():
         raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
@@ -352,8 +361,8 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
                             input_output_aliases=aliases,
                             vmap_method="sequential")
     return call(_u8(a.data), _u8(a.scale_inv), amax_a, _u8(stacked.data), _u8(stacked.scale_inv), amax_b, sizes,
-                bias_, c,
-                fmt_a=np.int32(fa), fmt_b=np.int32(fb), k=np.int64(k), accumulate=np.int32(accumulate is not None))
+                bias_, c, fmt_a=np.int32(fa), fmt_b=np.int32(fb), k=np.int64(k),
+                accumulate=np.int32(accumulate is not None))
 
 
 def stack_storages(bs, name: str = "stack_storages") -> Storage:

@@ -1,13 +1,15 @@
 // FP8 GEMM on Hopper FP8 tensor cores; see fp8_wgmma.h and docs/gemm.md ("FP8 on wgmma").
 //
-// One CTA computes a 128 x 128 output tile with three warpgroups: warpgroup 0 (one thread) streams 128-wide K
-// tiles of A, B and their scales into a 5-stage shared-memory ring with TMA (128-byte swizzle, completion on
-// mbarriers); warpgroups 1 and 2 each own 64 rows. MXFP8: per 32-wide K step (one MX block) a consumer runs one
+// Persistent: one CTA per SM takes 128 x 128 output tiles in turn, with three warpgroups: warpgroup 0 (one
+// thread) streams 128-wide K tiles of A, B and their scales into a 5-stage shared-memory ring with TMA
+// (128-byte swizzle, completion on mbarriers), running on into the next output tile; warpgroups 1 and 2 each
+// own 64 rows. MXFP8: per 32-wide K step (one MX block) a consumer runs one
 // m64n128k32 FP8 wgmma into a fresh partial accumulator, waits for it, and adds partial * (sa[m] * sb[n]) into
 // its FP32 accumulator. Blockwise and per-tensor FP8: the four wgmmas of a 128-wide K tile run into the partial
 // accumulator, which is then added (blockwise: times sa[m] * sb[n]) into the FP32 one: the promotion that keeps
-// Hopper's reduced-precision accumulation inside the tensor core to 128 products. The two consumers
-// interleave, so one's FP32 work overlaps the other's wgmma.
+// Hopper's reduced-precision accumulation inside the tensor core to 128 products; two partial accumulators
+// alternate, so a K tile's wgmmas run while the previous one is promoted. The two consumers interleave, so
+// one's FP32 work overlaps the other's wgmma.
 // MX and block scales are re-laid-out first by a small kernel into fp32 [ceil(K/128)][J][rows rounded to 4]
 // (J = 4 MX blocks or 1 block per K tile; blocks past K are 0, so a partial last K tile adds 0 x 0; TMA fills
 // data past K and past the last row with zeros); per-tensor scales are read in the epilogue.
