@@ -4,7 +4,8 @@ jax.nn.scaled_matmul (MXFP8, NVFP4), at 8192^3 and the LLM shapes M=16384, (K, N
 jaxhq_mxfp8 is the FP8-wgmma kernel on a Hopper, jaxhq_mxfp8_dq the dequantize + bf16 path; the grouped rows
 split M into 8 experts, their weights stacked once outside the timing (ref = the dense kernel of the same
 path; FP8 grouped: the wgmma kernel with the group sizes read on the device, `_lt` cuBLASLt per group with
-the sizes read on the host; ref = the dense cuBLASLt kernel). Each shape's rows are printed as soon as that
+the sizes read on the host, `_unpaired` the wgmma kernel without its two-CTA clusters,
+JAXHQ_WGMMA_CLUSTER=1; ref = the dense cuBLASLt kernel). Each shape's rows are printed as soon as that
 shape finishes; the JSON is rewritten after every shape.
 
     python benchmarks/gemm.py [--shapes 8192x8192x8192,16384x4096x14336] [--out FILE] [--quick]
@@ -13,8 +14,10 @@ A shape is MxKxN (out[M, N] = A[M, K] @ B[N, K].T).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
+import os
 import time
 
 import jax
@@ -37,8 +40,23 @@ def _quantizer(fmt):
     return jax.jit(lambda t: quantize(t, fmt, "rowwise").rowwise)
 
 
+@contextlib.contextmanager
+def _environ(values: dict):
+    """Environment variables set for the duration (the FFI handlers read them when a call runs)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
 def variants(m, k, n, key, xla_scaled=False):
-    """{name: (jitted fn, args)}; operands built on the device."""
+    """{name: (jitted fn, args[, environment variables set while it is timed])}; operands built on the device."""
     ka, kb = jax.random.split(key)
     x = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
     w = (jax.random.normal(kb, (n, k), jnp.float32) * 0.05).astype(jnp.bfloat16)
@@ -61,10 +79,11 @@ def variants(m, k, n, key, xla_scaled=False):
         sizes = jnp.full((GROUPS,), m // GROUPS, jnp.int32)
         for fmt, qa_, label in ((Float8CurrentScaling("e4m3"), qa, "tensor"), (Float8Block((128, 128)), ba, "block")):
             wq = G.stack_storages([_quantizer(fmt)(jnp.roll(w, i, axis=0)) for i in range(GROUPS)])
-            for suffix, kern in (("", "auto"), ("_lt", "cublaslt")):
+            for suffix, kern, env in (("", "auto", {}), ("_unpaired", "auto", {"JAXHQ_WGMMA_CLUSTER": "1"}),
+                                      ("_lt", "cublaslt", {})):
                 v[f"jaxhq_fp8_{label}_grouped{GROUPS}{suffix}"] = (
                     jax.jit(lambda a, bs, gs, kern=kern: G.grouped_gemm(a, bs, gs, jnp.bfloat16, kernel=kern)),
-                    (qa_, wq, sizes))
+                    (qa_, wq, sizes), env)
 
     ma = _quantizer(MXFP8("e4m3"))(x)
     mb = _quantizer(MXFP8("e4m3"))(w)
@@ -101,7 +120,8 @@ def variants(m, k, n, key, xla_scaled=False):
 
 
 REF = {"jaxhq_fp8_tensor": "xla_fp8_dot_general", "jaxhq_fp8_tensor_fastacc": "xla_fp8_dot_general",
-       **{f"jaxhq_fp8_{f}_grouped{GROUPS}{s}": f"jaxhq_fp8_{f}" for f in ("tensor", "block") for s in ("", "_lt")},
+       **{f"jaxhq_fp8_{f}_grouped{GROUPS}{s}": f"jaxhq_fp8_{f}" for f in ("tensor", "block")
+          for s in ("", "_unpaired", "_lt")},
        "jaxhq_mxfp8": "scaled_matmul_mxfp8", "jaxhq_mxfp8_dq": "scaled_matmul_mxfp8",
        f"jaxhq_mxfp8_grouped{GROUPS}": "jaxhq_mxfp8", f"jaxhq_mxfp8_grouped{GROUPS}_dq": "jaxhq_mxfp8_dq",
        "jaxhq_nvfp4": "scaled_matmul_nvfp4"}
@@ -133,10 +153,11 @@ def main():
         vs = variants(m, k, n, sub, args.xla_scaled)
         print(f"{m}x{k}x{n}: operands in {time.perf_counter() - t0:.1f} s", flush=True)
         base = {}
-        for name, (fn, a) in vs.items():
+        for name, (fn, a, *env) in vs.items():
             t0 = time.perf_counter()
             try:
-                t = time_back_to_back(fn, *a)[0]
+                with _environ(env[0] if env else {}):
+                    t = time_back_to_back(fn, *a)[0]
                 tf = 2.0 * m * n * k / t / 1e12
             except Exception as e:  # noqa: BLE001
                 print(f"{name} {m}x{k}x{n} failed: {repr(e)[:300]}", flush=True)

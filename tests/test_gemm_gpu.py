@@ -396,10 +396,10 @@ def test_mxfp8_wgmma(recipe, gemm, m, dtype):
     _check(out, _reference(a, b), dtype, f"wgmma {recipe} {gemm} M={m} {jnp.dtype(dtype).name} seed={seed}")
 
 
-@pytest.mark.parametrize("m,k,n", [(300, 2048, 200), (129, 320, 136), (1, 16, 8), (4096, 1024, 512)])
+@pytest.mark.parametrize("m,k,n", [(300, 2048, 200), (129, 320, 136), (1, 16, 8), (4096, 512, 2304)])
 def test_mxfp8_wgmma_shapes(m, k, n):
     """Partial tiles along M and N (N = 200, 136 < 2 x 128), K = 320 (a partial 128-wide K tile), K = 16 (one
-    partial MX block), and a shape with many CTAs."""
+    partial MX block), and a shape with more tiles than CTAs (each cluster of two takes several pairs)."""
     _hopper_only()
     rng, seed = _rng()
     x = jnp.asarray(rng.standard_normal((m, k)) * 3, jnp.float32)
@@ -447,7 +447,7 @@ WGMMA_GROUPED = {  # (A quantizer, B quantizer, FFI target) on the FP8 wgmma ker
     "mxfp8_e5m2": (MXFP8("e5m2"), MXFP8("e4m3"), G.MX_TARGET + "_grouped"),
     "fp8": (Float8CurrentScaling("e4m3"), Float8CurrentScaling("e4m3"), G.FP8_WGMMA_GROUPED),
     "fp8_e5m2": (Float8CurrentScaling("e5m2"), Float8CurrentScaling("e4m3"), G.FP8_WGMMA_GROUPED),
-    "fp8_block": (Float8Block((1, 128)), Float8Block((128, 128)), G.FP8_WGMMA_GROUPED),  # N = 264: partial block
+    "fp8_block": (Float8Block((1, 128)), Float8Block((128, 128)), G.FP8_WGMMA_GROUPED),  # N = 1064: partial block
     "fp8_block_1x128": (Float8Block((1, 128)), Float8Block((1, 128)), G.FP8_WGMMA_GROUPED),
 }
 
@@ -459,11 +459,23 @@ WGMMA_GROUPED = {  # (A quantizer, B quantizer, FFI target) on the FP8 wgmma ker
 def test_wgmma_grouped(recipe, sizes, accumulate):
     """Groups read on the device, for every scaling of the FP8 wgmma kernel: ragged sizes, group edges on and
     off 128-row tiles, all-empty groups (every row past them) and sizes past T = 1000 (clamped like the host
-    path: the second group gets 400)."""
+    path: the second group gets 400). N = 1064 is nine tile columns (the last one partial): the second CTA of
+    the last pair (clusters of two CTAs share the A tile) computes a column past N and stores nothing."""
+    _wgmma_grouped_case(recipe, sizes, accumulate)
+
+
+@pytest.mark.parametrize("recipe", sorted(WGMMA_GROUPED))
+def test_wgmma_grouped_unpaired(recipe, monkeypatch):
+    """The kernel launched without clusters (JAXHQ_WGMMA_CLUSTER=1: each CTA loads its whole A tile)."""
+    monkeypatch.setenv("JAXHQ_WGMMA_CLUSTER", "1")
+    _wgmma_grouped_case(recipe, [5, 0, 700, 200], True)
+
+
+def _wgmma_grouped_case(recipe, sizes, accumulate):
     _hopper_only()
     qa, qb, target = WGMMA_GROUPED[recipe]
     rng, seed = _rng()
-    t, k, n = 1000, 512 + 16 * (recipe != "mxfp8"), 264  # K = 528: a partial last 128-wide K tile
+    t, k, n = 1000, 512 + 16 * (recipe != "mxfp8"), 1064  # K = 528: a partial last 128-wide K tile
     x = jnp.asarray(rng.standard_normal((t, k)), jnp.float32)
     a = quantize(x, qa, "rowwise").rowwise
     bs = [quantize(jnp.asarray(rng.standard_normal((n, k)) * rng.uniform(0.01, 0.1), jnp.float32), qb,

@@ -1,15 +1,17 @@
 // FP8 GEMM on Hopper FP8 tensor cores; see fp8_wgmma.h and docs/gemm.md ("FP8 on wgmma").
 //
-// Persistent: one CTA per SM takes 128 x 128 output tiles in turn, with three warpgroups: warpgroup 0 (one
-// thread) streams 128-wide K tiles of A, B and their scales into a 5-stage shared-memory ring with TMA
-// (128-byte swizzle, completion on mbarriers), running on into the next output tile; warpgroups 1 and 2 each
-// own 64 rows. MXFP8: per 32-wide K step (one MX block) a consumer runs one
-// m64n128k32 FP8 wgmma into a fresh partial accumulator, waits for it, and adds partial * (sa[m] * sb[n]) into
-// its FP32 accumulator. Blockwise and per-tensor FP8: the four wgmmas of a 128-wide K tile run into the partial
-// accumulator, which is then added (blockwise: times sa[m] * sb[n]) into the FP32 one: the promotion that keeps
-// Hopper's reduced-precision accumulation inside the tensor core to 128 products; two partial accumulators
-// alternate, so a K tile's wgmmas run while the previous one is promoted. The two consumers interleave, so
-// one's FP32 work overlaps the other's wgmma.
+// Persistent: one CTA per SM takes 128 x 128 output tiles in turn, with three warpgroups: warpgroup 0 (one thread)
+// streams 128-wide K tiles of A, B and their scales into a 5-stage shared-memory ring with TMA (128-byte swizzle,
+// completion on mbarriers), running on into the next output tile; warpgroups 1 and 2 each own 64 rows. CTAs run in
+// clusters of two that take two adjacent tile columns of one tile row: each loads one 64-row half of the shared A
+// tile into both CTAs (TMA multicast), so a ring slot is free again only when the consumers of both CTAs have
+// released it (remote mbarrier arrives). MXFP8: per 32-wide K step (one MX block) a consumer runs one m64n128k32 FP8
+// wgmma into a fresh partial accumulator, waits for it, and adds partial * (sa[m] * sb[n]) into its FP32
+// accumulator. Blockwise and per-tensor FP8: the four wgmmas of a 128-wide K tile run into the partial accumulator,
+// which is then added (blockwise: times sa[m] * sb[n]) into the FP32 one: the promotion that keeps Hopper's reduced-
+// precision accumulation inside the tensor core to 128 products; two partial accumulators alternate, so a K tile's
+// wgmmas run while the previous one is promoted. The two consumers interleave, so one's FP32 work overlaps the
+// other's wgmma.
 // MX and block scales are re-laid-out first by a small kernel into fp32 [ceil(K/128)][J][rows rounded to 4]
 // (J = 4 MX blocks or 1 block per K tile; blocks past K are 0, so a partial last K tile adds 0 x 0; TMA fills
 // data past K and past the last row with zeros); per-tensor scales are read in the epilogue.
@@ -20,6 +22,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
 
 #include "fp8_wgmma.h"
@@ -54,6 +57,7 @@ struct Params {
   int64_t m, n, k;
   int32_t groups, accumulate;
   int32_t slots, cols;  // tile row slots (ceil(m / 128) + groups) and tile columns
+  int32_t cluster;      // CTAs per cluster (1 or 2): a cluster takes `cluster` adjacent tile columns of one tile row
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
@@ -66,6 +70,21 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* b, uint32_t bytes) {
 }
 __device__ __forceinline__ void mbar_arrive(uint64_t* b) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
+}
+// Arrives on the barrier at b's offset in the shared memory of cluster CTA `rank`.
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* b, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(b)), "r"(rank));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA of the cluster (a plain CTA is a cluster of one).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
 __device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
   asm volatile(
@@ -80,6 +99,15 @@ __device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* map, uint64
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
       ::"r"(smem_u32(dst)), "l"(map), "r"(smem_u32(bar)), "r"(x), "r"(y) : "memory");
+}
+// The same box into the same shared-memory offset (and completion on the same barrier offset) of every CTA in
+// the cluster that `mask` names.
+__device__ __forceinline__ void tma_2d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int x, int y,
+                                                 uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4}], [%2], %5;"
+      ::"r"(smem_u32(dst)), "l"(map), "r"(smem_u32(bar)), "r"(x), "r"(y), "h"(mask) : "memory");
 }
 __device__ __forceinline__ void tma_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int x, int y, int z) {
   asm volatile(
@@ -176,11 +204,14 @@ __device__ __forceinline__ int64_t clamp_size(int32_t size, int64_t left) {
   return v < left ? v : left;
 }
 
-// Output tile `tile` -> its rows [row0, row_end), column tile and group (-1: a slot past the groups). Groups
-// take ceil(size / 128) tile row slots in order (dense: one group of m rows).
-__device__ __forceinline__ int64_t tile_rows(const Params& p, int tile, int64_t* row0, int64_t* row_end, int* col) {
+// The cluster's output tile `tile` -> this CTA's rows [row0, row_end), column tile (rank `rank` of the
+// cluster's p.cluster adjacent columns; it may lie past N) and group (-1: a slot past the groups). Groups take
+// ceil(size / 128) tile row slots in order (dense: one group of m rows).
+__device__ __forceinline__ int64_t tile_rows(const Params& p, int tile, int rank, int64_t* row0, int64_t* row_end,
+                                             int* col) {
   int slot;
-  tile_of(tile, p.cols, p.slots, &slot, col);
+  tile_of(tile, int(cdiv(p.cols, p.cluster)), p.slots, &slot, col);
+  *col = *col * p.cluster + rank;
   *row0 = int64_t(slot) * kBM, *row_end = p.m;
   if (p.groups == 0) return *row0 < p.m ? 0 : -1;
   int64_t at = 0, slots = 0;
@@ -258,7 +289,18 @@ struct Consumer {
   uint64_t* empty;
   int cw, rl, cl, lane;  // warpgroup (0, 1), this thread's fragment rows / columns, lane
   int a_shift, b_shift;  // where the tile's first A / B row sits in its scale box (row0 & 3, brow0 & 3)
+  int cluster, rank;
 };
+
+// A consumer warp is done with ring slot s: released in this CTA and, in a cluster of two, in the other one
+// (whose producer multicasts its half of A into this CTA's slot, so it waits for both CTAs' consumers).
+__device__ __forceinline__ void release(uint64_t* empty, int s, int lane, int cluster, int rank) {
+  __syncwarp();
+  if (lane == 0) {
+    mbar_arrive(&empty[s]);
+    if (cluster == 2) mbar_arrive_cluster(&empty[s], rank ^ 1);
+  }
+}
 
 // The partial sums d (finished) of the K tile in ring position q promoted into acc, times sa[m] * sb[n] for
 // blocks; its stage released.
@@ -274,8 +316,7 @@ __device__ __forceinline__ void finish_tile(const Consumer& c, int q, float (&ac
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] += d[i];
   }
-  __syncwarp();
-  if (c.lane == 0) mbar_arrive(&c.empty[s]);
+  release(c.empty, s, c.lane, c.cluster, c.rank);
 }
 
 // Issues the four wgmmas of the K tile in ring position q into cur, waits for the previous one's (in prev,
@@ -313,25 +354,30 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
   uint64_t* empty = full + kStages;
+  // A ring slot is free once the consumers of every CTA of the cluster have released it (8 warps each).
+  const int rank = int(cluster_rank());
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 8);
+    for (int s = 0; s < kStages; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 8 * p.cluster);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
-  __syncthreads();
-  // Persistent: this CTA takes tiles blockIdx.x, + gridDim.x, ...; the producer runs ahead into the next
-  // tile's K tiles while the consumers store this one. q counts K tiles over all of the CTA's tiles: the ring
-  // slot is q % kStages and its phase (q / kStages) & 1.
-  const int tiles = p.slots * p.cols, ktiles = int(cdiv(p.k, kBK)), wg = threadIdx.x / 128;
+  cluster_sync();  // the other CTA's barriers are initialised before anything arrives on them
+  // Persistent: this cluster takes the cluster tiles blockIdx.x / cluster, + gridDim.x / cluster, ...; the
+  // producer runs ahead into the next tile's K tiles while the consumers store this one. q counts K tiles over
+  // all of the CTA's tiles: the ring slot is q % kStages and its phase (q / kStages) & 1. Both CTAs of a
+  // cluster take the same tile row, so they skip the same tiles and count the same q.
+  const int tiles = p.slots * int(cdiv(p.cols, p.cluster)), ktiles = int(cdiv(p.k, kBK)), wg = threadIdx.x / 128;
+  const int first = blockIdx.x / p.cluster, step = gridDim.x / p.cluster;
 
   if (wg == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) {
       int q = 0;
-      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const uint16_t everyone = uint16_t((1 << p.cluster) - 1);
+      for (int tile = first; tile < tiles; tile += step) {
         int64_t row0, row_end;
         int col;
-        const int64_t group = tile_rows(p, tile, &row0, &row_end, &col);
+        const int64_t group = tile_rows(p, tile, rank, &row0, &row_end, &col);
         if (group < 0) continue;
         const int brow0 = int(group * p.n) + col * kBN;
         for (int kt = 0; kt < ktiles; ++kt, ++q) {
@@ -339,7 +385,12 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (q >= kStages) mbar_wait(&empty[s], ((q / kStages) - 1) & 1);
           uint8_t* st = smem + s * kStageBytes;
           mbar_expect_tx(&full[s], tx_bytes(kJ));
-          tma_2d(st, &tm_a, &full[s], kt * kBK, int(row0));
+          // the A tile's two 64-row halves: in a pair, each CTA loads its own into both CTAs
+          for (int h = rank; h < 2; h += p.cluster) {
+            uint8_t* half = st + h * (kABytes / 2);
+            if (p.cluster == 1) tma_2d(half, &tm_a, &full[s], kt * kBK, int(row0) + h * (kBM / 2));
+            else tma_2d_multicast(half, &tm_a, &full[s], kt * kBK, int(row0) + h * (kBM / 2), everyone);
+          }
           tma_2d(st + kABytes, &tm_b, &full[s], kt * kBK, brow0);
           if constexpr (kJ > 0) {
             tma_3d(st + kABytes + kBBytes, &tm_sa, &full[s], int(row0) & ~3, 0, kt);
@@ -348,90 +399,90 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    return;
-  }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  const int cw = wg - 1, t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
-  const int rl = warp * 16 + lane / 4;  // this thread's rows in the warpgroup's 64: rl and rl + 8
-  const int cl = 2 * (lane % 4);        // its columns: 8 i + cl and 8 i + cl + 1, i < 16
-  float acc[64], d[64], d2[64];
+  } else {  // consumers
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int cw = wg - 1, t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
+    const int rl = warp * 16 + lane / 4;  // this thread's rows in the warpgroup's 64: rl and rl + 8
+    const int cl = 2 * (lane % 4);        // its columns: 8 i + cl and 8 i + cl + 1, i < 16
+    float acc[64], d[64], d2[64];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) d[i] = 0.0f, d2[i] = 0.0f;
-  int q = 0;
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    int64_t row0, row_end;
-    int tcol;
-    const int64_t group = tile_rows(p, tile, &row0, &row_end, &tcol);
-    if (group < 0) continue;
-    const int n0 = tcol * kBN, brow0 = int(group * p.n) + n0;
+    for (int i = 0; i < 64; ++i) d[i] = 0.0f, d2[i] = 0.0f;
+    int q = 0;
+    for (int tile = first; tile < tiles; tile += step) {
+      int64_t row0, row_end;
+      int tcol;
+      const int64_t group = tile_rows(p, tile, rank, &row0, &row_end, &tcol);
+      if (group < 0) continue;
+      const int n0 = tcol * kBN, brow0 = int(group * p.n) + n0;
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+      for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
 
-    if constexpr (kJ == 4) {
-      for (int kt = 0; kt < ktiles; ++kt) {
-        const int s = (q + kt) % kStages;
-        mbar_wait(&full[s], ((q + kt) / kStages) & 1);
-        uint8_t* st = smem + s * kStageBytes;
-        const uint32_t a_addr = smem_u32(st) + cw * 64 * kBK, b_addr = smem_u32(st + kABytes);
-        const float* sa = reinterpret_cast<const float*>(st + kABytes + kBBytes) + (row0 & 3) + cw * 64;
-        const float* sb = reinterpret_cast<const float*>(st + kABytes + kBBytes + kSABytes) + (brow0 & 3);
+      if constexpr (kJ == 4) {
+        for (int kt = 0; kt < ktiles; ++kt) {
+          const int s = (q + kt) % kStages;
+          mbar_wait(&full[s], ((q + kt) / kStages) & 1);
+          uint8_t* st = smem + s * kStageBytes;
+          const uint32_t a_addr = smem_u32(st) + cw * 64 * kBK, b_addr = smem_u32(st + kABytes);
+          const float* sa = reinterpret_cast<const float*>(st + kABytes + kBBytes) + (row0 & 3) + cw * 64;
+          const float* sb = reinterpret_cast<const float*>(st + kABytes + kBBytes + kSABytes) + (brow0 & 3);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {  // one MX block: 32 K = 32 bytes along the swizzled 128-byte rows
+          for (int j = 0; j < 4; ++j) {  // one MX block: 32 K = 32 bytes along the swizzled 128-byte rows
 #pragma unroll
-          for (int i = 0; i < 64; ++i) fence_operand(d[i]);
-          asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-          wgmma_m64n128k32<kE5M2A, kE5M2B>(d, sw128_desc(a_addr + 32 * j), sw128_desc(b_addr + 32 * j), 0);
-          asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+            for (int i = 0; i < 64; ++i) fence_operand(d[i]);
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+            wgmma_m64n128k32<kE5M2A, kE5M2B>(d, sw128_desc(a_addr + 32 * j), sw128_desc(b_addr + 32 * j), 0);
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+            for (int i = 0; i < 64; ++i) fence_operand(d[i]);
+            scale_add(acc, d, sa + j * kSRows, sb + j * kSRows, rl, cl);
+          }
+          release(empty, s, lane, p.cluster, rank);
+        }
+      } else {  // two partial sets: tile kt's wgmmas run into one while tile kt - 1's is promoted from the other
+        const Consumer c{smem, full, empty, cw, rl, cl, lane, int(row0 & 3), brow0 & 3, p.cluster, rank};
+        int kt = 0;
+        for (; kt + 1 < ktiles; kt += 2) {
+          pipelined_tile<kJ, kE5M2A, kE5M2B>(c, q + kt, kt == 0, acc, d, d2);
+          pipelined_tile<kJ, kE5M2A, kE5M2B>(c, q + kt + 1, false, acc, d2, d);
+        }
+        if (kt < ktiles) {  // an odd count: the last tile into d
+          pipelined_tile<kJ, kE5M2A, kE5M2B>(c, q + kt, kt == 0, acc, d, d2);
           asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
           for (int i = 0; i < 64; ++i) fence_operand(d[i]);
-          scale_add(acc, d, sa + j * kSRows, sb + j * kSRows, rl, cl);
+          finish_tile<kJ>(c, q + kt, acc, d);
+        } else {
+          asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+          for (int i = 0; i < 64; ++i) fence_operand(d2[i]);
+          finish_tile<kJ>(c, q + kt - 1, acc, d2);
         }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[s]);
       }
-    } else {  // two partial sets: tile kt's wgmmas run into one while tile kt - 1's is promoted from the other
-      const Consumer c{smem, full, empty, cw, rl, cl, lane, int(row0 & 3), brow0 & 3};
-      int kt = 0;
-      for (; kt + 1 < ktiles; kt += 2) {
-        pipelined_tile<kJ, kE5M2A, kE5M2B>(c, q + kt, kt == 0, acc, d, d2);
-        pipelined_tile<kJ, kE5M2A, kE5M2B>(c, q + kt + 1, false, acc, d2, d);
-      }
-      if (kt < ktiles) {  // an odd count: the last tile into d
-        pipelined_tile<kJ, kE5M2A, kE5M2B>(c, q + kt, kt == 0, acc, d, d2);
-        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-        for (int i = 0; i < 64; ++i) fence_operand(d[i]);
-        finish_tile<kJ>(c, q + kt, acc, d);
-      } else {
-        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-        for (int i = 0; i < 64; ++i) fence_operand(d2[i]);
-        finish_tile<kJ>(c, q + kt - 1, acc, d2);
-      }
-    }
 
-    if constexpr (kJ == 0) {
-      const float alpha = p.alpha_a[0] * p.alpha_b[group];
+      if constexpr (kJ == 0) {
+        const float alpha = p.alpha_a[0] * p.alpha_b[group];
 #pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] *= alpha;
-    }
-    const void* bias = p.bias;
-    const int64_t bias_off = group * p.n;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t row = row0 + cw * 64 + rl + 8 * h;
-      if (row >= row_end) continue;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int64_t col = n0 + 8 * i + cl;
-        if (col >= p.n) continue;
-        store_pair<kF32>(p.out, row * p.n + col, acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1], bias, bias_off + col,
-                         p.accumulate != 0);
+        for (int i = 0; i < 64; ++i) acc[i] *= alpha;
       }
+      const void* bias = p.bias;
+      const int64_t bias_off = group * p.n;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t row = row0 + cw * 64 + rl + 8 * h;
+        if (row >= row_end) continue;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const int64_t col = n0 + 8 * i + cl;
+          if (col >= p.n) continue;
+          store_pair<kF32>(p.out, row * p.n + col, acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1], bias, bias_off + col,
+                           p.accumulate != 0);
+        }
+      }
+      q += ktiles;
     }
-    q += ktiles;
   }
+  cluster_sync();  // no CTA leaves while the other may still arrive on its barriers
 #endif
 }
 
@@ -449,8 +500,9 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn(std::string* err) {
   return fn;
 }
 
-// rank-2 (uint8 [rows, k], box 128 x 128, 128-byte swizzle; j == 0) or rank-3 (fp32 [kt][j][ld], box 132 x j x 1).
-std::string make_map(CUtensorMap* map, const void* ptr, int j, int64_t rows, int64_t k) {
+// rank-2 (uint8 [rows, k], box box_rows x 128, 128-byte swizzle; j == 0) or rank-3 (fp32 [kt][j][ld], box
+// 132 x j x 1).
+std::string make_map(CUtensorMap* map, const void* ptr, int j, int64_t rows, int64_t k, int box_rows = kBM) {
   std::string err;
   auto enc = encode_fn(&err);
   if (!enc) return err;
@@ -458,7 +510,7 @@ std::string make_map(CUtensorMap* map, const void* ptr, int j, int64_t rows, int
   const cuuint32_t ones[3] = {1, 1, 1};
   if (j == 0) {
     const cuuint64_t dim[2] = {cuuint64_t(k), cuuint64_t(rows)}, stride[1] = {cuuint64_t(k)};
-    const cuuint32_t box[2] = {kBK, kBM};
+    const cuuint32_t box[2] = {kBK, cuuint32_t(box_rows)};
     r = enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(ptr), dim, stride, box, ones,
             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -474,26 +526,49 @@ std::string make_map(CUtensorMap* map, const void* ptr, int j, int64_t rows, int
   return r == CUDA_SUCCESS ? "" : "cuTensorMapEncodeTiled failed (CUresult " + std::to_string(int(r)) + ")";
 }
 
+// Persistent launch: as many clusters of p.cluster CTAs as the GPU holds at once (one CTA per SM), at most one
+// per cluster tile.
 template <int kJ, bool kE5M2A, bool kE5M2B, bool kF32>
-std::string launch(const CUtensorMap* maps, const Params& p, dim3 grid, cudaStream_t s) {
+std::string launch(const CUtensorMap* maps, const Params& p, cudaStream_t s) {
   auto kernel = fp8_wgmma_kernel<kJ, kE5M2A, kE5M2B, kF32>;
   // every call: the limit is per device, and this is a host-side attribute (nothing enters the stream)
   const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (attr != cudaSuccess) return std::string("raising the shared-memory limit: ") + cudaGetErrorString(attr);
-  kernel<<<grid, kThreads, kSmemBytes, s>>>(maps[0], maps[1], maps[2], maps[3], p);
-  cudaError_t e = cudaGetLastError();
+  cudaLaunchAttribute cluster_dim[1];
+  cluster_dim[0].id = cudaLaunchAttributeClusterDimension;
+  cluster_dim[0].val.clusterDim.x = unsigned(p.cluster), cluster_dim[0].val.clusterDim.y = 1;
+  cluster_dim[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(p.cluster)), cfg.blockDim = dim3(kThreads), cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = s, cfg.attrs = cluster_dim, cfg.numAttrs = 1;
+  int resident = 0;
+  const cudaError_t occ = cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg);
+  if (occ != cudaSuccess || resident <= 0)
+    return std::string("no cluster of ") + std::to_string(p.cluster) + " CTAs fits on this GPU" +
+           (occ != cudaSuccess ? std::string(": ") + cudaGetErrorString(occ) : std::string());
+  const int64_t cluster_tiles = int64_t(p.slots) * cdiv(p.cols, p.cluster);
+  cfg.gridDim = dim3(unsigned(std::min<int64_t>(cluster_tiles, resident) * p.cluster));
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, maps[0], maps[1], maps[2], maps[3], p);
   return e == cudaSuccess ? "" : cudaGetErrorString(e);
 }
 
 template <int kJ>
-std::string launch_types(bool e5m2_a, bool e5m2_b, bool f32, const CUtensorMap* maps, const Params& p, dim3 grid,
+std::string launch_types(bool e5m2_a, bool e5m2_b, bool f32, const CUtensorMap* maps, const Params& p,
                          cudaStream_t s) {
   if (e5m2_a) {
-    if (e5m2_b) return f32 ? launch<kJ, true, true, true>(maps, p, grid, s) : launch<kJ, true, true, false>(maps, p, grid, s);
-    return f32 ? launch<kJ, true, false, true>(maps, p, grid, s) : launch<kJ, true, false, false>(maps, p, grid, s);
+    if (e5m2_b) return f32 ? launch<kJ, true, true, true>(maps, p, s) : launch<kJ, true, true, false>(maps, p, s);
+    return f32 ? launch<kJ, true, false, true>(maps, p, s) : launch<kJ, true, false, false>(maps, p, s);
   }
-  if (e5m2_b) return f32 ? launch<kJ, false, true, true>(maps, p, grid, s) : launch<kJ, false, true, false>(maps, p, grid, s);
-  return f32 ? launch<kJ, false, false, true>(maps, p, grid, s) : launch<kJ, false, false, false>(maps, p, grid, s);
+  if (e5m2_b) return f32 ? launch<kJ, false, true, true>(maps, p, s) : launch<kJ, false, true, false>(maps, p, s);
+  return f32 ? launch<kJ, false, false, true>(maps, p, s) : launch<kJ, false, false, false>(maps, p, s);
+}
+
+// CTAs per cluster: 2 (the pair shares its A tile through multicast, 0.75x the L2 traffic per output tile),
+// unless an odd number of tile columns would leave a spare column computed for nothing in more than 1/9 of the
+// work (1, 3, 5 or 7 columns); JAXHQ_WGMMA_CLUSTER=1 turns the pairing off (for measurements).
+int cluster_size(int64_t cols) {
+  const char* env = std::getenv("JAXHQ_WGMMA_CLUSTER");
+  return (cols % 2 == 0 || cols >= 9) && !(env && std::string(env) == "1") ? 2 : 1;
 }
 
 int slots_of(int scaling) { return scaling == kScaleMx ? 4 : scaling == kScaleBlock ? 1 : 0; }
@@ -526,7 +601,8 @@ std::string wgmma_gemm(int scaling, const WgmmaOperand& a, const WgmmaOperand& b
   if (a.rows == 0 || n == 0) return "";
   const int j = slots_of(scaling);
   CUtensorMap maps[4] = {};
-  for (std::string e : {make_map(&maps[0], a.data, 0, a.rows, k), make_map(&maps[1], b.data, 0, b.rows, k)})
+  // A in 64-row halves (one per CTA of a cluster), B in whole 128-row tiles
+  for (std::string e : {make_map(&maps[0], a.data, 0, a.rows, k, kBM / 2), make_map(&maps[1], b.data, 0, b.rows, k)})
     if (!e.empty()) return e;
   if (j > 0) {
     for (int i = 0; i < 2; ++i) {
@@ -536,21 +612,18 @@ std::string wgmma_gemm(int scaling, const WgmmaOperand& a, const WgmmaOperand& b
       tile_scales_kernel<<<unsigned(std::min<int64_t>(cdiv(total, 256), 4096)), 256, 0, s>>>(
           o.scales, j, o.rows, k, ld, group_rows, static_cast<float*>(i ? sb_tmp : sa_tmp));
     }
+    if (cudaError_t ce = cudaGetLastError(); ce != cudaSuccess)
+      return std::string("scale re-layout: ") + cudaGetErrorString(ce);
     for (std::string e : {make_map(&maps[2], sa_tmp, j, a.rows, k), make_map(&maps[3], sb_tmp, j, b.rows, k)})
       if (!e.empty()) return e;
   }
   const int64_t slots = cdiv(a.rows, kBM) + groups, cols = cdiv(n, kBN);
   Params p{out, bias, group_sizes, nullptr, nullptr, a.rows, n, k, int32_t(groups), int32_t(accumulate),
-           int32_t(slots), int32_t(cols)};
+           int32_t(slots), int32_t(cols), cluster_size(cols)};
   if (j == 0) p.alpha_a = static_cast<const float*>(a.scales), p.alpha_b = static_cast<const float*>(b.scales);
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0)
-    return "cannot read the GPU's multiprocessor count";
-  const dim3 grid(unsigned(std::min<int64_t>(slots * cols, sms)));  // persistent: one CTA per SM
-  std::string e = j == 4   ? launch_types<4>(a.e5m2, b.e5m2, out_f32, maps, p, grid, s)
-                  : j == 1 ? launch_types<1>(a.e5m2, b.e5m2, out_f32, maps, p, grid, s)
-                           : launch_types<0>(a.e5m2, b.e5m2, out_f32, maps, p, grid, s);
+  std::string e = j == 4   ? launch_types<4>(a.e5m2, b.e5m2, out_f32, maps, p, s)
+                  : j == 1 ? launch_types<1>(a.e5m2, b.e5m2, out_f32, maps, p, s)
+                           : launch_types<0>(a.e5m2, b.e5m2, out_f32, maps, p, s);
   if (!e.empty() || groups == 0 || accumulate) return e;
   zero_past_groups_kernel<<<unsigned(std::min<int64_t>(cdiv(a.rows * n, 256), 1024)), 256, 0, s>>>(
       out, group_sizes, int(groups), a.rows, n, out_f32 ? 4 : 2);
