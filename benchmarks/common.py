@@ -2,12 +2,29 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import time
 
 import jax
+
+
+@contextlib.contextmanager
+def environ(values: dict):
+    """Environment variables set for the duration, then restored (jaxhq reads some when a step is traced,
+    the FFI handlers when a call runs)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -14,17 +14,15 @@ A shape is MxKxN (out[M, N] = A[M, K] @ B[N, K].T).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
-import os
 import time
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from common import parser, print_table, time_back_to_back, write_json
+from common import environ, parser, print_table, time_back_to_back, write_json
 from jaxhq.formats import MXFP8, NVFP4, Float8Block, Float8CurrentScaling, quantize
 from jaxhq.ffi import gemm as G
 from jaxhq.ops.gemm import fp8_gpu_dot
@@ -38,21 +36,6 @@ SHAPES = [(8192, 8192, 8192), (16384, 4096, 4096), (16384, 4096, 14336), (16384,
 def _quantizer(fmt):
     """One jitted program per format: x -> its rowwise copy in fmt."""
     return jax.jit(lambda t: quantize(t, fmt, "rowwise").rowwise)
-
-
-@contextlib.contextmanager
-def _environ(values: dict):
-    """Environment variables set for the duration (the FFI handlers read them when a call runs)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
 
 
 def variants(m, k, n, key, xla_scaled=False):
@@ -156,7 +139,7 @@ def main():
         for name, (fn, a, *env) in vs.items():
             t0 = time.perf_counter()
             try:
-                with _environ(env[0] if env else {}):
+                with environ(env[0] if env else {}):
                     t = time_back_to_back(fn, *a)[0]
                 tf = 2.0 * m * n * k / t / 1e12
             except Exception as e:  # noqa: BLE001

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import parser, print_table, write_json  # noqa: E402
+from common import environ, parser, print_table, write_json  # noqa: E402
 from step_profile import CATEGORIES, NO_GRAPHS, profile_step  # noqa: E402
 
 from jaxhq.train import model as M, state as S  # noqa: E402
@@ -72,15 +72,8 @@ def run_recipe(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int,
     """Compiles and times one recipe's step; with `split`, profiles it (step_profile). `path` is a
     JAXHQ_QUANTIZE_PATH value ("default": as the library chooses), set while the step is traced."""
     jax.clear_caches()
-    saved = os.environ.get("JAXHQ_QUANTIZE_PATH")
-    if path != "default":
-        os.environ["JAXHQ_QUANTIZE_PATH"] = path
-    try:
+    with environ({} if path == "default" else {"JAXHQ_QUANTIZE_PATH": path}):
         return _run(name, cfg, batch, steps, warmup, split) | {"path": path}
-    finally:
-        os.environ.pop("JAXHQ_QUANTIZE_PATH", None)
-        if saved is not None:
-            os.environ["JAXHQ_QUANTIZE_PATH"] = saved
 
 
 def _run(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split: bool) -> dict:
@@ -101,7 +94,7 @@ def _run(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split
                      - mem.alias_size_in_bytes)
     for _ in range(warmup):
         state, m = compiled(state, batch_d)
-    jax.block_until_ready(m)
+        jax.block_until_ready(m)
     # step_ms: steps dispatched back to back, as the training loop runs them (the host queues the next step
     # while the device runs this one; jaxhq.train reads the loss every 10 steps), median of 3 such windows.
     # step_sync_ms: each step waited for, so the host's dispatch time adds to every step.

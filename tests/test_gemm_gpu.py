@@ -367,7 +367,7 @@ def test_dense_op_uses_kernels(recipe):
 
 def _hopper_only():
     if not G._hopper():
-        pytest.skip("the FP8 wgmma kernel is sm_90a only")
+        pytest.skip("needs a Hopper GPU (sm_90a): the FP8 wgmma kernel runs only there")
 
 
 def _poisoned_call(fn, *args, shape, dtype):

@@ -23,7 +23,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <map>
 #include <mutex>
+#include <utility>
 
 #include "fp8_wgmma.h"
 
@@ -527,13 +529,11 @@ std::string make_map(CUtensorMap* map, const void* ptr, int j, int64_t rows, int
 }
 
 // Persistent launch: as many clusters of p.cluster CTAs as the GPU holds at once (one CTA per SM), at most one
-// per cluster tile.
+// per cluster tile. The shared-memory limit and the resident cluster count are per kernel, device and cluster
+// size: set and queried on the first launch of each, not on every call.
 template <int kJ, bool kE5M2A, bool kE5M2B, bool kF32>
 std::string launch(const CUtensorMap* maps, const Params& p, cudaStream_t s) {
   auto kernel = fp8_wgmma_kernel<kJ, kE5M2A, kE5M2B, kF32>;
-  // every call: the limit is per device, and this is a host-side attribute (nothing enters the stream)
-  const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (attr != cudaSuccess) return std::string("raising the shared-memory limit: ") + cudaGetErrorString(attr);
   cudaLaunchAttribute cluster_dim[1];
   cluster_dim[0].id = cudaLaunchAttributeClusterDimension;
   cluster_dim[0].val.clusterDim.x = unsigned(p.cluster), cluster_dim[0].val.clusterDim.y = 1;
@@ -541,11 +541,26 @@ std::string launch(const CUtensorMap* maps, const Params& p, cudaStream_t s) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(p.cluster)), cfg.blockDim = dim3(kThreads), cfg.dynamicSmemBytes = kSmemBytes;
   cfg.stream = s, cfg.attrs = cluster_dim, cfg.numAttrs = 1;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return "cannot read the current device";
+  static std::mutex mu;
+  static std::map<std::pair<int, int>, int> resident_of;  // (device, cluster size) -> resident clusters
   int resident = 0;
-  const cudaError_t occ = cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg);
-  if (occ != cudaSuccess || resident <= 0)
-    return std::string("no cluster of ") + std::to_string(p.cluster) + " CTAs fits on this GPU" +
-           (occ != cudaSuccess ? std::string(": ") + cudaGetErrorString(occ) : std::string());
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = resident_of.find({device, p.cluster});
+    if (it != resident_of.end()) {
+      resident = it->second;
+    } else {
+      const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+      if (attr != cudaSuccess) return std::string("raising the shared-memory limit: ") + cudaGetErrorString(attr);
+      const cudaError_t occ = cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg);
+      if (occ != cudaSuccess || resident <= 0)
+        return std::string("no cluster of ") + std::to_string(p.cluster) + " CTAs fits on this GPU" +
+               (occ != cudaSuccess ? std::string(": ") + cudaGetErrorString(occ) : std::string());
+      resident_of[{device, p.cluster}] = resident;
+    }
+  }
   const int64_t cluster_tiles = int64_t(p.slots) * cdiv(p.cols, p.cluster);
   cfg.gridDim = dim3(unsigned(std::min<int64_t>(cluster_tiles, resident) * p.cluster));
   const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, maps[0], maps[1], maps[2], maps[3], p);

@@ -654,10 +654,15 @@ ffi::Error gemm_dq(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi
 // One FFI call: the sizes are copied to the host (one stream synchronisation), then one GEMM per non-empty
 // group on row range [start, start + size); rows past the sum are zero (unless accumulating).
 
-ffi::Error host_sizes(cudaStream_t stream, const ffi::AnyBuffer& gs, int64_t groups, int64_t t,
-                      std::vector<int64_t>* starts, std::vector<int64_t>* sizes) {
+ffi::Error check_sizes(const ffi::AnyBuffer& gs, int64_t groups) {
   if (gs.element_type() != ffi::DataType::S32 || int64_t(gs.element_count()) != groups)
     return invalid("group_sizes must be int32 [" + std::to_string(groups) + "], got " + dims(gs));
+  return ffi::Error::Success();
+}
+
+ffi::Error host_sizes(cudaStream_t stream, const ffi::AnyBuffer& gs, int64_t groups, int64_t t,
+                      std::vector<int64_t>* starts, std::vector<int64_t>* sizes) {
+  if (auto e = check_sizes(gs, groups); e.failure()) return e;
   std::vector<int32_t> h(groups);
   if (groups > 0) {
     if (cudaMemcpyAsync(h.data(), gs.untyped_data(), groups * sizeof(int32_t), cudaMemcpyDeviceToHost, stream) !=
@@ -840,8 +845,17 @@ ffi::Error run_wgmma(cudaStream_t stream, Scratch& scratch, int scaling, const g
   return e.empty() ? ffi::Error::Success() : invalid("FP8 wgmma GEMM: " + e);
 }
 
-// Rows past the groups when there are none: zero unless accumulating.
-ffi::Error zero_all(cudaStream_t stream, const LtCall& c, int64_t t, int64_t n) {
+// A grouped call on the wgmma kernel once its operands are checked: the sizes and the output checked, then the
+// kernel, which reads the sizes on the device (no groups: every row is past them, zero unless accumulating).
+ffi::Error run_wgmma_grouped(cudaStream_t stream, Scratch& scratch, int scaling, const gemm::WgmmaOperand& a,
+                             const gemm::WgmmaOperand& b, int64_t t, int64_t n, int64_t k, const ffi::AnyBuffer& gs,
+                             int64_t groups, const ffi::AnyBuffer& bias, const ffi::AnyBuffer& cin,
+                             ffi::Result<ffi::AnyBuffer>& out, int32_t accumulate) {
+  if (auto e = check_sizes(gs, groups); e.failure()) return e;
+  LtCall c{};
+  if (auto e = check_grouped_out(t, groups, n, bias, cin, out, accumulate, &c); e.failure()) return e;
+  if (groups > 0)
+    return run_wgmma(stream, scratch, scaling, a, b, n, k, static_cast<const int32_t*>(gs.untyped_data()), groups, c);
   if (!c.accumulate && t * n > 0 &&
       cudaMemsetAsync(c.d, 0, size_t(t * n) * (c.out_type == lt::kR32F ? 4 : 2), stream) != cudaSuccess)
     return internal("zeroing the output failed");
@@ -871,16 +885,10 @@ ffi::Error gemm_mxfp8_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, 
   if (da.size() != 2 || db.size() != 3)
     return invalid("grouped MXFP8: A must be [T, K] and B [G, N, K] data, got " + dims(a) + " and " + dims(b));
   const int64_t t = da[0], groups = db[0], n = db[1];
-  if (gs.element_type() != ffi::DataType::S32 || int64_t(gs.element_count()) != groups)
-    return invalid("group_sizes must be int32 [" + std::to_string(groups) + "], got " + dims(gs));
   gemm::WgmmaOperand oa, ob;
   if (auto e = mx_operand(a, sa, 1, t, fmt_a, k, "A", &oa); e.failure()) return e;
   if (auto e = mx_operand(b, sb, groups, n, fmt_b, k, "B", &ob); e.failure()) return e;
-  LtCall c{};
-  if (auto e = check_grouped_out(t, groups, n, bias, cin, out, accumulate, &c); e.failure()) return e;
-  if (groups == 0) return zero_all(stream, c, t, n);  // no groups: every row is past them
-  return run_wgmma(stream, scratch, gemm::kScaleMx, oa, ob, n, k, static_cast<const int32_t*>(gs.untyped_data()),
-                   groups, c);
+  return run_wgmma_grouped(stream, scratch, gemm::kScaleMx, oa, ob, t, n, k, gs, groups, bias, cin, out, accumulate);
 }
 
 // ---- Per-tensor and blockwise FP8 on the same wgmma kernel, grouped: the group sizes read on the device.
@@ -892,17 +900,12 @@ ffi::Error gemm_fp8_wgmma_grouped(cudaStream_t stream, ffi::ScratchAllocator all
   LtCall c{};
   int64_t t, groups;
   if (auto e = check_fp8_grouped(a, sa, b, sb, mode_a, mode_b, &c, &t, &groups); e.failure()) return e;
-  const int64_t k = c.k, n = c.n;
-  if (gs.element_type() != ffi::DataType::S32 || int64_t(gs.element_count()) != groups)
-    return invalid("group_sizes must be int32 [" + std::to_string(groups) + "], got " + dims(gs));
-  if (auto e = check_grouped_out(t, groups, n, bias, cin, out, accumulate, &c); e.failure()) return e;
-  if (groups == 0) return zero_all(stream, c, t, n);
   const gemm::WgmmaOperand oa{static_cast<const uint8_t*>(a.untyped_data()), sa.untyped_data(), t,
                               c.type_a == lt::kR8F_E5M2};
-  const gemm::WgmmaOperand ob{static_cast<const uint8_t*>(b.untyped_data()), sb.untyped_data(), groups * n,
+  const gemm::WgmmaOperand ob{static_cast<const uint8_t*>(b.untyped_data()), sb.untyped_data(), groups * c.n,
                               c.type_b == lt::kR8F_E5M2, mode_b == kBlk128};
-  return run_wgmma(stream, scratch, mode_a == kTensor ? gemm::kScaleTensor : gemm::kScaleBlock, oa, ob, n, k,
-                   static_cast<const int32_t*>(gs.untyped_data()), groups, c);
+  return run_wgmma_grouped(stream, scratch, mode_a == kTensor ? gemm::kScaleTensor : gemm::kScaleBlock, oa, ob, t,
+                           c.n, c.k, gs, groups, bias, cin, out, accumulate);
 }
 // The CUDA handlers' binding prefixes: the stream (dense: temporaries in the workspace result), then XLA's
 // scratch allocator (grouped).
