@@ -226,13 +226,12 @@ lt::Status matmul(cudaStream_t stream, lt::Handle h, const Descs& ds, const LtCa
                           stream);
 }
 
-// Times one algorithm on the call's own operands (the output is written; the real run rewrites it): kTimed runs
-// after a warm-up. A negative result means cuBLASLt refused the algorithm.
-constexpr int kCandidates = 16, kTimed = 5;
-constexpr float kMargin = 0.03f;  // how much faster a candidate must be than the first pick to replace it
+// Times kTimed back-to-back runs of one algorithm on the call's own operands (the output is written; the real run
+// rewrites it). A negative result means cuBLASLt refused the algorithm.
+constexpr int kCandidates = 16, kTimed = 3, kRounds = 4;
+constexpr float kMargin = 0.02f;  // how much faster a candidate must be than the first pick to replace it
 float time_algo(cudaStream_t stream, lt::Handle h, const Descs& ds, const LtCall& c, const lt::Algo& algo, void* ws,
                 cudaEvent_t e0, cudaEvent_t e1) {
-  if (matmul(stream, h, ds, c, algo, ws) != 0) return -1.0f;
   cudaEventRecord(e0, stream);
   for (int i = 0; i < kTimed; ++i)
     if (matmul(stream, h, ds, c, algo, ws) != 0) return -1.0f;
@@ -240,6 +239,30 @@ float time_algo(cudaStream_t stream, lt::Handle h, const Descs& ds, const LtCall
   float ms = -1.0f;
   if (cudaEventSynchronize(e1) != cudaSuccess || cudaEventElapsedTime(&ms, e0, e1) != cudaSuccess) return -1.0f;
   return ms;
+}
+
+// Each candidate's time over kRounds rounds (negative: refused), after one warm-up run of each. The rounds
+// alternate the order (first to last, then last to first), so a clock that drifts during the tuning (the GPU
+// warming up under the load) adds the same to every candidate instead of favouring the ones timed first.
+std::vector<float> time_candidates(cudaStream_t stream, lt::Handle h, const Descs& ds, const LtCall& c,
+                                   const lt::Heuristic* r, int n, void* ws) {
+  std::vector<float> total(n, 0.0f);
+  for (int i = 0; i < n; ++i)
+    if (r[i].state != 0 || matmul(stream, h, ds, c, r[i].algo, ws) != 0) total[i] = -1.0f;
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  for (int round = 0; round < kRounds; ++round)
+    for (int j = 0; j < n; ++j) {
+      const int i = round % 2 ? n - 1 - j : j;
+      if (total[i] < 0) continue;
+      const float ms = time_algo(stream, h, ds, c, r[i].algo, ws, e0, e1);
+      total[i] = ms < 0 ? -1.0f : total[i] + ms;
+    }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaGetLastError();  // a refused candidate leaves no sticky error; clear the last one
+  return total;
 }
 
 // Finds (and caches) an algorithm; *found = false when cuBLASLt has none for this configuration. The first call
@@ -284,26 +307,17 @@ std::string get_plan(lt::Handle h, const LtCall& c, bool fused, uint32_t align_d
     float best = -1.0f, first = -1.0f;
     int chosen = 0;
     if (n > 1) {
-      cudaEvent_t e0, e1;
-      cudaEventCreate(&e0);
-      cudaEventCreate(&e1);
-      for (int i = 0; i < n; ++i) {
-        if (r[i].state != 0) continue;
-        float ms = time_algo(stream, h, *ds, c, r[i].algo, ws, e0, e1);
-        if (i == 0) first = ms;
-        if (ms >= 0 && (best < 0 || ms < best)) best = ms, chosen = i;
-      }
-      // Near-ties keep the heuristic's pick: candidates within a few percent in a short burst differed by up to
-      // 9% under sustained back-to-back runs on an H100, in either direction.
+      const std::vector<float> t = time_candidates(stream, h, *ds, c, r, n, ws);
+      first = t[0];
+      for (int i = 0; i < n; ++i)
+        if (t[i] >= 0 && (best < 0 || t[i] < best)) best = t[i], chosen = i;
+      // Near-ties keep the heuristic's pick.
       if (first >= 0 && best > first * (1.0f - kMargin)) best = first, chosen = 0;
       plan->h = r[chosen];
-      cudaEventDestroy(e0);
-      cudaEventDestroy(e1);
-      cudaGetLastError();  // a refused candidate leaves no sticky error; clear the last one
     }
     if (tuning_mode() == 2)
       fprintf(stderr, "jaxhq gemm tune %s: candidate %d of %d, %.4f ms (first %.4f ms)\n", key.c_str(), chosen, n,
-              best / kTimed, first / kTimed);
+              best / (kTimed * kRounds), first / (kTimed * kRounds));
   }
   if (capture == cudaStreamCaptureStatusNone) {
     std::lock_guard<std::mutex> lock(mu);
