@@ -12,9 +12,10 @@ import jax
 
 
 @contextlib.contextmanager
-def environ(values: dict):
+def environ(values: dict = None):
     """Environment variables set for the duration, then restored (jaxhq reads some when a step is traced,
-    the FFI handlers when a call runs)."""
+    the FFI handlers when a call runs). No values: nothing is set."""
+    values = values or {}
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:

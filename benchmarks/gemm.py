@@ -139,7 +139,7 @@ def main():
         for name, (fn, a, *env) in vs.items():
             t0 = time.perf_counter()
             try:
-                with environ(env[0] if env else {}):
+                with environ(*env):
                     t = time_back_to_back(fn, *a)[0]
                 tf = 2.0 * m * n * k / t / 1e12
             except Exception as e:  # noqa: BLE001
