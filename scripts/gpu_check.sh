@@ -84,10 +84,10 @@ else
         timeout ${QUICK_TIMEOUT:-200} $PY benchmarks/train_step.py --preset quick --steps 10 ${QUICK_ARGS:-} \
           --out "$OUTDIR/train_step_quick.json" 2>&1 | tee "$OUTDIR/train_step_quick.log" | grep -v "top ops" | tail -22 ;;
       peer) log "peer_fp8"
-        timeout ${PEER_TIMEOUT:-200} $PY benchmarks/peer_fp8.py ${PEER_ARGS:-} --out "$OUTDIR/peer_fp8.json" 2>&1 | tail -18 ;;
+        timeout ${PEER_TIMEOUT:-260} $PY benchmarks/peer_fp8.py ${PEER_ARGS:-} --out "$OUTDIR/peer_fp8.json" 2>&1 | tail -18 ;;
       fsdp) fsdp_bench ;;  # sharded steps (FSDP, TP, SP) over all local GPUs
       gemm) log "gemm"
-        timeout 150 $PY benchmarks/gemm.py ${GEMM_ARGS:-} --out "$OUTDIR/gemm.json" 2>&1 | tail -24 ;;
+        timeout ${GEMM_TIMEOUT:-300} $PY benchmarks/gemm.py ${GEMM_ARGS:-} --out "$OUTDIR/gemm.json" 2>&1 | tail -24 ;;
       quantize) for variant in ${VARIANTS:-default}; do
           log "quantize ($variant)"
           [ "$variant" = default ] && unset JAXHQ_QUANTIZE_VARIANT || export JAXHQ_QUANTIZE_VARIANT=$variant

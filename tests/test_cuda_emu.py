@@ -75,11 +75,13 @@ def emu(tmp_path_factory):
     lib.emu_dequantize.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i64, i64, i64, i32, i32]
     lib.emu_dequant_mxfp8.argtypes = [ptr, ptr, i64, i64, i32, ptr, i32]
     lib.emu_dequant_nvfp4.argtypes = [ptr, ptr, i64, i64, ptr, i32]
+    lib.emu_stage_scales.argtypes = [ptr, i64, i64, ptr, i64, i64, i32] * 2 + [i32]
     lib.emu_e2m1_mismatches.argtypes = [ctypes.c_uint32, ctypes.c_uint32]
     lib.emu_e2m1_mismatches.restype = ctypes.c_uint64
     lib.emu_e2m1_sr_mismatches.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_float]
     lib.emu_e2m1_sr_mismatches.restype = ctypes.c_uint64
-    for fn in (lib.emu_quantize, lib.emu_amax, lib.emu_dequantize, lib.emu_dequant_mxfp8, lib.emu_dequant_nvfp4):
+    for fn in (lib.emu_quantize, lib.emu_amax, lib.emu_dequantize, lib.emu_dequant_mxfp8, lib.emu_dequant_nvfp4,
+               lib.emu_stage_scales):
         fn.restype = ctypes.c_char_p
     return lib
 
@@ -280,3 +282,39 @@ def test_gemm_dequant_nvfp4_matches_ml_dtypes(emu, k):
         out = np.full((rows, k), 0xFFFF, np.uint16)
         assert emu.emu_dequant_nvfp4(_ptr(data), _ptr(scales), rows, k, _ptr(out), order) == b""
         _same_bf16(out, want, f"nvfp4 k={k} order {order}")
+
+
+def _staged(src, out_rows, ld, transpose):
+    """numpy: the layout cuBLASLt reads, element (i, j) = src(j, i) or src(i, j), 1 outside src."""
+    ext = np.ones((ld, out_rows) if transpose else (out_rows, ld), np.float32)
+    r, c = min(src.shape[0], ext.shape[0]), min(src.shape[1], ext.shape[1])
+    ext[:r, :c] = src[:r, :c]
+    return np.ascontiguousarray(ext.T if transpose else ext)
+
+
+# (rows, cols, out_rows, ld, transpose) of A and B: 1x128 scales transposed with the leading dimension rounded to
+# 4 (and padded rows, the retry), 128x128 scales K-major with ceil(K/128) rounded to 4; extents that do not
+# divide the 32 x 32 tile; B smaller and larger than A (blocks outside one job's extent).
+STAGE_CASES = [((1000, 3, 3, 1000, True), (8, 3, 8, 4, False)),
+               ((17, 40, 40, 32, True), (70, 40, 40, 72, True)),
+               ((5, 9, 16, 12, False), None),
+               ((33, 2, 2, 48, True), (1, 1, 1, 4, False))]
+
+
+@pytest.mark.parametrize("case", STAGE_CASES)
+def test_gemm_stage_scales_matches_numpy(emu, case):
+    rng = np.random.default_rng(next(_seed))
+    jobs = [j for j in case if j is not None]
+    srcs = [rng.standard_normal(j[:2]).astype(np.float32) for j in jobs]
+    for order in ORDERS:
+        for poison in (np.nan, -7.0):
+            outs = [np.full(j[2] * j[3], poison, np.float32) for j in jobs]
+            args = []
+            for j, s, o in zip(jobs, srcs, outs):
+                args += [_ptr(s), j[0], j[1], _ptr(o), j[2], j[3], int(j[4])]
+            if len(jobs) == 1:
+                args += [None, 0, 0, None, 0, 0, 0]
+            assert emu.emu_stage_scales(*args, order) == b""
+            for j, s, o in zip(jobs, srcs, outs):
+                want = _staged(s, j[2], j[3], j[4])
+                np.testing.assert_array_equal(o.reshape(j[2], j[3]), want, err_msg=f"{j} order {order}")

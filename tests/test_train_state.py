@@ -38,6 +38,32 @@ def test_cross_entropy_matches_float64_reference():
     np.testing.assert_allclose(float(S.cross_entropy(jnp.asarray(logits), jnp.asarray(t))), ref, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_embedding_lookup_and_gradient_match_numpy(dtype):
+    """The byte embedding: rows of the table (an out-of-range token gives a zero row), cast once to the
+    activation dtype; its gradient the float64 scatter-add of the incoming gradient (exact products, float32
+    sums: 1e-6 relative)."""
+    rng = np.random.default_rng(1)
+    table = rng.normal(size=(256, 48)).astype(np.float32)
+    tokens = rng.integers(0, 256, size=(3, 40))
+    tokens[0, :5] = 7  # a repeated token sums its gradients
+    tokens[1, 0] = 300
+    g = rng.normal(size=(3, 40, 48)).astype(np.float32)
+    want = np.where((tokens < 256)[..., None], table[np.minimum(tokens, 255)], 0.0)
+    out = jax.jit(M.embed, static_argnums=2)(jnp.asarray(table), jnp.asarray(tokens), dtype)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)),
+                                  np.asarray(jnp.asarray(want).astype(dtype).astype(jnp.float32)))
+    gd = np.asarray(jnp.asarray(g).astype(dtype).astype(jnp.float32), np.float64)
+    ref = np.zeros(table.shape)
+    ok = tokens < 256
+    np.add.at(ref, tokens[ok], gd[ok])
+    grad = jax.jit(jax.grad(lambda t: jnp.sum(M.embed(t, jnp.asarray(tokens), dtype).astype(jnp.float32) *
+                                              jnp.asarray(gd, jnp.float32))))(jnp.asarray(table))
+    assert grad.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(grad), ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
 def test_same_seed_same_initial_weights_under_every_recipe():
     a, b = make("bf16"), make("hybrid:mxfp8:nvfp4")
     assert leaves_equal(a.params, b.params)

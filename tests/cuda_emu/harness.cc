@@ -103,6 +103,17 @@ const char* emu_dequant_nvfp4(const uint8_t* data, const uint8_t* scales, int64_
   return status(jaxhq::gemm::dequant_nvfp4(data, scales, rows, k, out, nullptr));
 }
 
+// The FP8 GEMMs' staging of two operands' fp32 block scales into cuBLASLt's layouts (gemm/gemm_kernels.cu);
+// a null out_b stages A alone.
+const char* emu_stage_scales(const float* in_a, int64_t rows_a, int64_t cols_a, float* out_a, int64_t out_rows_a,
+                             int64_t ld_a, int transpose_a, const float* in_b, int64_t rows_b, int64_t cols_b,
+                             float* out_b, int64_t out_rows_b, int64_t ld_b, int transpose_b, int order) {
+  emu::set_order(order);
+  jaxhq::gemm::ScaleStage a{in_a, rows_a, cols_a, out_a, out_rows_a, ld_a, transpose_a != 0};
+  jaxhq::gemm::ScaleStage b{in_b, rows_b, cols_b, out_b, out_rows_b, ld_b, transpose_b != 0};
+  return status(jaxhq::gemm::stage_scales(a, b, nullptr));
+}
+
 // Bit patterns in [lo, hi] (not NaN) where the kernels' short E2M1 rounding (e2m1_code_finite) differs from
 // the threshold form (e2m1_code, the reference's casts.e2m1_codes line for line).
 uint64_t emu_e2m1_mismatches(uint32_t lo, uint32_t hi) {

@@ -385,6 +385,71 @@ ffi::Error run_lt(cudaStream_t stream, Scratch& scratch, const LtCall& c, bool* 
   return e.empty() ? ffi::Error::Success() : internal("epilogue: " + e);
 }
 
+// One FP8 operand's scales ([rows, K]) for cuBLASLt: the pointer and scale mode to pass and, where the scales must
+// be re-laid-out first, the job that stages them (job->out stays null where cuBLASLt reads them as they are: the
+// 128x128 weight scales when ceil(K/128) is a multiple of `pad`). `layout` picks the candidate layout (0: the one
+// cuBLASLt documents; others exist for probing), `pad` the leading-dimension multiple, `layout_rows` (> rows) pads
+// the layout's rows (the retry with A's rows padded). `src` points at fp32 scales: a scalar (kTensor),
+// [rows, ceil(K/128)] (kVec128) or [ceil(rows/128), ceil(K/128)] (kBlk128).
+ffi::Error scale_layout(cudaStream_t stream, Scratch& scratch, const float* src, int32_t mode, int64_t rows, int64_t k,
+                        int32_t layout, int32_t pad, int64_t layout_rows, const void** ptr, int32_t* lt_mode,
+                        gemm::ScaleStage* job) {
+  *job = gemm::ScaleStage{};
+  if (mode == kTensor) {
+    if (reinterpret_cast<uintptr_t>(src) % 16) {  // e.g. one scalar of a stacked [G]: give cuBLASLt an aligned copy
+      float* copy = static_cast<float*>(scratch.get(sizeof(float)));
+      if (!copy) return out_of_scratch(scratch, "an aligned scale");
+      if (cudaMemcpyAsync(copy, src, sizeof(float), cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
+        return internal("copying a scale failed");
+      src = copy;
+    }
+    *ptr = src;
+    *lt_mode = lt::kScaleScalar;
+    return ffi::Error::Success();
+  }
+  *lt_mode = mode == kVec128 ? lt::kScaleVec128 : lt::kScaleBlk128;
+  const int64_t kb = cdiv(k, 128);
+  const int64_t sr = mode == kVec128 ? rows : cdiv(rows, 128);
+  const int64_t lr = std::max(sr, mode == kVec128 ? layout_rows : cdiv(layout_rows, 128));  // rows of the layout
+  if (pad < 1) pad = 1;
+  const bool transpose = (mode == kVec128) ? (layout == 0) : (layout != 0);
+  // transposed: [kb, rup(lr)], rows contiguous; else [lr, rup(kb)], kb contiguous
+  const int64_t out_rows = transpose ? kb : lr, ld = transpose ? rup(lr, pad) : rup(kb, pad);
+  if (!transpose && out_rows == sr && ld == kb && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+    *ptr = src;
+    return ffi::Error::Success();
+  }
+  float* out = static_cast<float*>(scratch.get(size_t(out_rows * ld) * sizeof(float)));
+  if (!out) return out_of_scratch(scratch, "a scale re-layout");
+  *job = gemm::ScaleStage{src, sr, kb, out, out_rows, ld, transpose};
+  *ptr = out;
+  return ffi::Error::Success();
+}
+
+// One operand's scales for `scale_ptrs`: where they are, their mode and rows, and where the result goes.
+struct ScaleArg {
+  const float* src = nullptr;  // null: no operand
+  int32_t mode = kTensor;
+  int64_t rows = 0, layout_rows = 0;
+  const void** ptr = nullptr;
+  int32_t* lt_mode = nullptr;
+};
+
+// The scales of A and B (or A alone) in cuBLASLt's layouts, the re-layouts in one launch.
+ffi::Error scale_ptrs(cudaStream_t stream, Scratch& scratch, int64_t k, int32_t layout, int32_t pad, const ScaleArg& a,
+                      const ScaleArg& b = ScaleArg{}) {
+  gemm::ScaleStage job[2];
+  const ScaleArg* args[2] = {&a, &b};
+  for (int i = 0; i < 2; ++i)
+    if (args[i]->src)
+      if (auto e = scale_layout(stream, scratch, args[i]->src, args[i]->mode, args[i]->rows, k, layout, pad,
+                                args[i]->layout_rows, args[i]->ptr, args[i]->lt_mode, &job[i]);
+          e.failure())
+        return e;
+  std::string e = gemm::stage_scales(job[0], job[1], stream);
+  return e.empty() ? ffi::Error::Success() : internal("scale re-layout: " + e);
+}
+
 // Runs `c`; when cuBLASLt refuses it (seen: block-scaled FP8 with M = 1 or 17 on cuBLASLt 13.1), runs it
 // again with A's rows zero-padded to a multiple of 16 into scratch (A's 1x128 scales re-laid-out for the
 // padded rows from `sa_src`), into a scratch temporary whose first M rows the epilogue kernel moves to the
@@ -394,8 +459,6 @@ struct ScaleSrc {
   int32_t mode = kTensor;
   int32_t layout = 0, pad = 4;
 };
-ffi::Error scale_ptr(cudaStream_t, Scratch&, const float*, int32_t, int64_t, int64_t, int32_t, int32_t, const void**,
-                     int32_t*, int64_t);
 
 ffi::Error run_with_retry(cudaStream_t stream, Scratch& scratch, LtCall c, size_t a_row_bytes, ScaleSrc sa) {
   bool unsup = false;
@@ -412,7 +475,7 @@ ffi::Error run_with_retry(cudaStream_t stream, Scratch& scratch, LtCall c, size_
   LtCall p = c;
   p.a = ap, p.m = mp, p.d = tmp, p.bias = nullptr, p.accumulate = false;
   if (sa.src && sa.mode != kTensor)
-    if (auto e = scale_ptr(stream, scratch, sa.src, sa.mode, c.m, c.k, sa.layout, sa.pad, &p.scale_a, &p.mode_a, mp);
+    if (auto e = scale_ptrs(stream, scratch, c.k, sa.layout, sa.pad, ScaleArg{sa.src, sa.mode, c.m, mp, &p.scale_a, &p.mode_a});
         e.failure())
       return e;
   if (c.alpha_beta) {
@@ -463,58 +526,18 @@ int32_t fp8_type(ffi::DataType t) {
 }
 
 
-// Scale tensor of one FP8 operand ([rows, K]) in the layout cuBLASLt reads; `layout` picks the candidate
-// layout (0: the one cuBLASLt documents; others exist for probing), `pad` the leading-dimension multiple.
-// `src` points at fp32 scales: a scalar (kTensor), [rows, ceil(K/128)] (kVec128) or [ceil(rows/128), ...].
-ffi::Error scale_ptr(cudaStream_t stream, Scratch& scratch, const float* src, int32_t mode, int64_t rows, int64_t k,
-                     int32_t layout, int32_t pad, const void** ptr, int32_t* lt_mode, int64_t layout_rows) {
-  if (mode == kTensor) {
-    if (reinterpret_cast<uintptr_t>(src) % 16) {  // e.g. one scalar of a stacked [G]: give cuBLASLt an aligned copy
-      float* copy = static_cast<float*>(scratch.get(sizeof(float)));
-      if (!copy) return out_of_scratch(scratch, "an aligned scale");
-      if (cudaMemcpyAsync(copy, src, sizeof(float), cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
-        return internal("copying a scale failed");
-      src = copy;
-    }
-    *ptr = src;
-    *lt_mode = lt::kScaleScalar;
-    return ffi::Error::Success();
-  }
-  const int64_t kb = cdiv(k, 128);
-  const int64_t sr = mode == kVec128 ? rows : cdiv(rows, 128);
-  const int64_t lr = std::max(sr, mode == kVec128 ? layout_rows : cdiv(layout_rows, 128));  // rows of the layout
-  if (pad < 1) pad = 1;
-  int64_t rs, cs, total;
-  bool transpose = (mode == kVec128) ? (layout == 0) : (layout != 0);
-  if (transpose) {  // [kb, rup(lr)], rows contiguous
-    int64_t ld = rup(lr, pad);
-    rs = 1, cs = ld, total = ld * kb;
-  } else {  // [lr, rup(kb)], kb contiguous
-    int64_t ld = rup(kb, pad);
-    rs = ld, cs = 1, total = ld * lr;
-  }
-  float* out = static_cast<float*>(scratch.get(size_t(total) * sizeof(float)));
-  if (!out) return out_of_scratch(scratch, "a scale re-layout");
-  std::string e = gemm::relayout_scales(src, sr, kb, out, rs, cs, total, stream);
-  if (!e.empty()) return internal("scale re-layout: " + e);
-  *ptr = out;
-  *lt_mode = mode == kVec128 ? lt::kScaleVec128 : lt::kScaleBlk128;
-  return ffi::Error::Success();
-}
-
 // Number of fp32 scales of one [rows, K] operand in `mode`.
 int64_t scale_count(int32_t mode, int64_t rows, int64_t k) {
   if (mode == kTensor) return 1;
   return (mode == kVec128 ? rows : cdiv(rows, 128)) * cdiv(k, 128);
 }
 
-ffi::Error prepare_scale(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuffer& s, int32_t mode, int64_t rows,
-                         int64_t k, int32_t layout, int32_t pad, const char* which, const void** ptr, int32_t* lt_mode) {
+ffi::Error check_scale(const ffi::AnyBuffer& s, int32_t mode, int64_t rows, int64_t k, const char* which) {
   if (s.element_type() != ffi::DataType::F32) return invalid(std::string(which) + " scale_inv must be float32");
   if (int64_t(s.element_count()) != scale_count(mode, rows, k))
     return invalid(std::string(which) + " scale_inv is " + dims(s) + ", expected " + std::to_string(scale_count(mode, rows, k)) +
                    " float32 values (scale mode " + std::to_string(mode) + ")");
-  return scale_ptr(stream, scratch, static_cast<const float*>(s.untyped_data()), mode, rows, k, layout, pad, ptr, lt_mode, 0);
+  return ffi::Error::Success();
 }
 
 ffi::Error gemm_fp8(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi::AnyBuffer b, ffi::AnyBuffer sb,
@@ -538,9 +561,15 @@ ffi::Error gemm_fp8(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer sa, ff
   if (c.m == 0 || c.n == 0) return ffi::Error::Success();
   c.a = a.untyped_data(), c.b = b.untyped_data();
   c.fast_accum = fast_accum != 0;
-  if (auto e = prepare_scale(stream, scratch, sa, mode_a, c.m, c.k, layout, pad, "A", &c.scale_a, &c.mode_a); e.failure()) return e;
-  if (auto e = prepare_scale(stream, scratch, sb, mode_b, c.n, c.k, layout, pad, "B", &c.scale_b, &c.mode_b); e.failure()) return e;
-  return run_with_retry(stream, scratch, c, size_t(c.k), ScaleSrc{static_cast<const float*>(sa.untyped_data()), mode_a, layout, pad});
+  if (auto e = check_scale(sa, mode_a, c.m, c.k, "A"); e.failure()) return e;
+  if (auto e = check_scale(sb, mode_b, c.n, c.k, "B"); e.failure()) return e;
+  const float* fa = static_cast<const float*>(sa.untyped_data());
+  const float* fb = static_cast<const float*>(sb.untyped_data());
+  if (auto e = scale_ptrs(stream, scratch, c.k, layout, pad, ScaleArg{fa, mode_a, c.m, 0, &c.scale_a, &c.mode_a},
+                          ScaleArg{fb, mode_b, c.n, 0, &c.scale_b, &c.mode_b});
+      e.failure())
+    return e;
+  return run_with_retry(stream, scratch, c, size_t(c.k), ScaleSrc{fa, mode_a, layout, pad});
 }
 
 // Dequantizes `rows` rows of an MXFP8/NVFP4 operand (data and scale bytes at the given pointers) to bf16.
@@ -782,8 +811,8 @@ ffi::Error gemm_fp8_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ff
     cg->b = static_cast<const uint8_t*>(b.untyped_data()) + g * size_t(n) * k;
     const float* sa_g = mode_a == kTensor ? fa : fa + start * kb;
     *src = ScaleSrc{sa_g, mode_a, layout, pad};
-    if (auto e = scale_ptr(stream, scratch, sa_g, mode_a, cg->m, k, layout, pad, &cg->scale_a, &cg->mode_a, 0); e.failure()) return e;
-    return scale_ptr(stream, scratch, fb + g * scale_count(mode_b, n, k), mode_b, n, k, layout, pad, &cg->scale_b, &cg->mode_b, 0);
+    return scale_ptrs(stream, scratch, k, layout, pad, ScaleArg{sa_g, mode_a, cg->m, 0, &cg->scale_a, &cg->mode_a},
+                      ScaleArg{fb + g * scale_count(mode_b, n, k), mode_b, n, 0, &cg->scale_b, &cg->mode_b});
   };
   return run_groups(stream, scratch, c, starts, sizes, t, c.d, c.bias, out_bytes, size_t(k), per_group);
 }

@@ -1,5 +1,7 @@
 // Kernels of gemm_kernels.h. Memory-bound helpers with 16-byte stores; the dequantize kernels stream the operand
 // in groups of 8 elements per thread when K is a multiple of the block.
+#include <algorithm>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -20,16 +22,30 @@ std::string last_error() {
 
 unsigned blocks_for(int64_t n) { return unsigned((n + kThreads - 1) / kThreads); }
 
-__global__ void fill_kernel(float* out, int64_t n, float v) {
-  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = v;
-}
+struct ScaleStages {
+  ScaleStage job[2];
+};
 
-__global__ void relayout_kernel(const float* in, int64_t rows, int64_t cols, float* out, int64_t rs, int64_t cs) {
-  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= rows * cols) return;
-  int64_t r = i / cols, c = i % cols;
-  out[r * rs + c * cs] = in[i];
+// A 32 x 32 tile of a job's input coordinates through shared memory, so that both the reads of `in` and the
+// writes of `out` run along rows (the transposed 1x128 scales are the common case). blockIdx.z picks the job.
+constexpr int kTile = 32, kTileRows = 8;
+__global__ void stage_kernel(ScaleStages s) {
+  const ScaleStage& j = s.job[blockIdx.z];
+  const int64_t ext_r = j.transpose ? j.ld : j.out_rows, ext_c = j.transpose ? j.out_rows : j.ld;
+  const int64_t r0 = int64_t(blockIdx.x) * kTile, c0 = int64_t(blockIdx.y) * kTile;
+  if (j.out == nullptr || r0 >= ext_r || c0 >= ext_c) return;  // the same for the whole block
+  float* tile = dynamic_smem<float>();  // [kTile][kTile + 1]
+  const int tx = threadIdx.x;
+  for (int i = threadIdx.y; i < kTile; i += kTileRows) {
+    const int64_t r = r0 + i, c = c0 + tx;
+    tile[i * (kTile + 1) + tx] = (r < j.rows && c < j.cols) ? j.in[r * j.cols + c] : 1.0f;
+  }
+  __syncthreads();
+  for (int i = threadIdx.y; i < kTile; i += kTileRows) {
+    const int64_t orow = j.transpose ? c0 + i : r0 + i, ocol = j.transpose ? r0 + tx : c0 + tx;
+    if (orow < j.out_rows && ocol < j.ld)
+      j.out[orow * j.ld + ocol] = j.transpose ? tile[tx * (kTile + 1) + i] : tile[i * (kTile + 1) + tx];
+  }
 }
 
 // 2**(e-127) as float; e == 0 gives 2**-127 (subnormal), e == 255 NaN.
@@ -197,11 +213,18 @@ std::string swizzle_block_scales(const uint8_t* in, int64_t rows, int64_t cols, 
   return last_error();
 }
 
-std::string relayout_scales(const float* in, int64_t rows, int64_t cols, float* out, int64_t out_rs,
-                            int64_t out_cs, int64_t out_elems, cudaStream_t s) {
-  if (out_elems > 0) launch_kernel(fill_kernel, blocks_for(out_elems), kThreads, 0, s, out, out_elems, 1.0f);
-  if (rows * cols > 0)
-    launch_kernel(relayout_kernel, blocks_for(rows * cols), kThreads, 0, s, in, rows, cols, out, out_rs, out_cs);
+std::string stage_scales(const ScaleStage& a, const ScaleStage& b, cudaStream_t s) {
+  ScaleStages st{{a, b}};
+  int64_t gx = 0, gy = 0;
+  for (const ScaleStage& j : st.job) {
+    if (!j.out) continue;
+    gx = std::max(gx, ((j.transpose ? j.ld : j.out_rows) + kTile - 1) / kTile);
+    gy = std::max(gy, ((j.transpose ? j.out_rows : j.ld) + kTile - 1) / kTile);
+  }
+  if (gx * gy == 0) return "";
+  if (gy > 65535) return "scale staging: too many scale columns (" + std::to_string(gy * kTile) + ")";
+  launch_kernel(stage_kernel, dim3(unsigned(gx), unsigned(gy), b.out ? 2u : 1u), dim3(kTile, kTileRows),
+                kTile * (kTile + 1) * sizeof(float), s, st);
   return last_error();
 }
 

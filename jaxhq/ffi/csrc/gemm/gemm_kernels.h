@@ -10,10 +10,18 @@
 namespace jaxhq {
 namespace gemm {
 
-// out[r * out_rs + c * out_cs] = in[r * cols + c] for a row-major fp32 [rows, cols]; the rest of `out`
-// (out_elems floats) is set to 1 first.
-std::string relayout_scales(const float* in, int64_t rows, int64_t cols, float* out, int64_t out_rs,
-                            int64_t out_cs, int64_t out_elems, cudaStream_t s);
+// One operand's fp32 block scales staged in the layout cuBLASLt reads: out [out_rows, ld] row-major, element
+// (i, j) = in(j, i) when `transpose`, else in(i, j), for in [rows, cols] row-major; 1 where that lies outside in.
+struct ScaleStage {
+  const float* in = nullptr;
+  int64_t rows = 0, cols = 0;
+  float* out = nullptr;  // null: nothing to stage
+  int64_t out_rows = 0, ld = 0;
+  bool transpose = false;
+};
+
+// Stages up to two operands' scales in one launch (jobs whose `out` is null are skipped).
+std::string stage_scales(const ScaleStage& a, const ScaleStage& b, cudaStream_t s);
 
 // MXFP8 [rows, k] fp8 (e5m2 when `e5m2`) with E8M0 scales [rows, ceil(k/32)] -> bf16 [rows, k]; k % 8 == 0.
 std::string dequant_mxfp8(const uint8_t* data, const uint8_t* scales, int64_t rows, int64_t k, bool e5m2,
