@@ -385,48 +385,9 @@ ffi::Error run_lt(cudaStream_t stream, Scratch& scratch, const LtCall& c, bool* 
   return e.empty() ? ffi::Error::Success() : internal("epilogue: " + e);
 }
 
-// One FP8 operand's scales ([rows, K]) for cuBLASLt: the pointer and scale mode to pass and, where the scales must
-// be re-laid-out first, the job that stages them (job->out stays null where cuBLASLt reads them as they are: the
-// 128x128 weight scales when ceil(K/128) is a multiple of `pad`). `layout` picks the candidate layout (0: the one
-// cuBLASLt documents; others exist for probing), `pad` the leading-dimension multiple, `layout_rows` (> rows) pads
-// the layout's rows (the retry with A's rows padded). `src` points at fp32 scales: a scalar (kTensor),
-// [rows, ceil(K/128)] (kVec128) or [ceil(rows/128), ceil(K/128)] (kBlk128).
-ffi::Error scale_layout(cudaStream_t stream, Scratch& scratch, const float* src, int32_t mode, int64_t rows, int64_t k,
-                        int32_t layout, int32_t pad, int64_t layout_rows, const void** ptr, int32_t* lt_mode,
-                        gemm::ScaleStage* job) {
-  *job = gemm::ScaleStage{};
-  if (mode == kTensor) {
-    if (reinterpret_cast<uintptr_t>(src) % 16) {  // e.g. one scalar of a stacked [G]: give cuBLASLt an aligned copy
-      float* copy = static_cast<float*>(scratch.get(sizeof(float)));
-      if (!copy) return out_of_scratch(scratch, "an aligned scale");
-      if (cudaMemcpyAsync(copy, src, sizeof(float), cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
-        return internal("copying a scale failed");
-      src = copy;
-    }
-    *ptr = src;
-    *lt_mode = lt::kScaleScalar;
-    return ffi::Error::Success();
-  }
-  *lt_mode = mode == kVec128 ? lt::kScaleVec128 : lt::kScaleBlk128;
-  const int64_t kb = cdiv(k, 128);
-  const int64_t sr = mode == kVec128 ? rows : cdiv(rows, 128);
-  const int64_t lr = std::max(sr, mode == kVec128 ? layout_rows : cdiv(layout_rows, 128));  // rows of the layout
-  if (pad < 1) pad = 1;
-  const bool transpose = (mode == kVec128) ? (layout == 0) : (layout != 0);
-  // transposed: [kb, rup(lr)], rows contiguous; else [lr, rup(kb)], kb contiguous
-  const int64_t out_rows = transpose ? kb : lr, ld = transpose ? rup(lr, pad) : rup(kb, pad);
-  if (!transpose && out_rows == sr && ld == kb && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
-    *ptr = src;
-    return ffi::Error::Success();
-  }
-  float* out = static_cast<float*>(scratch.get(size_t(out_rows * ld) * sizeof(float)));
-  if (!out) return out_of_scratch(scratch, "a scale re-layout");
-  *job = gemm::ScaleStage{src, sr, kb, out, out_rows, ld, transpose};
-  *ptr = out;
-  return ffi::Error::Success();
-}
-
-// One operand's scales for `scale_ptrs`: where they are, their mode and rows, and where the result goes.
+// One FP8 operand's scales for cuBLASLt: where they are (`src`: fp32, a scalar (kTensor), [rows, ceil(K/128)]
+// (kVec128) or [ceil(rows/128), ceil(K/128)] (kBlk128)), their mode and rows, and where the pointer and scale mode
+// to pass go. `layout_rows` (> rows) pads the layout's rows (the retry with A's rows padded).
 struct ScaleArg {
   const float* src = nullptr;  // null: no operand
   int32_t mode = kTensor;
@@ -435,6 +396,46 @@ struct ScaleArg {
   int32_t* lt_mode = nullptr;
 };
 
+// Sets *arg.ptr and *arg.lt_mode and, where the scales must be re-laid-out first, the job that stages them
+// (job->out stays null where cuBLASLt reads them as they are: the 128x128 weight scales when ceil(K/128) is a
+// multiple of `pad`). `layout` picks the candidate layout (0: the one cuBLASLt documents; others exist for
+// probing), `pad` the leading-dimension multiple.
+ffi::Error scale_layout(cudaStream_t stream, Scratch& scratch, int64_t k, int32_t layout, int32_t pad,
+                        const ScaleArg& arg, gemm::ScaleStage* job) {
+  *job = gemm::ScaleStage{};
+  const float* src = arg.src;
+  if (arg.mode == kTensor) {
+    if (reinterpret_cast<uintptr_t>(src) % 16) {  // e.g. one scalar of a stacked [G]: give cuBLASLt an aligned copy
+      float* copy = static_cast<float*>(scratch.get(sizeof(float)));
+      if (!copy) return out_of_scratch(scratch, "an aligned scale");
+      if (cudaMemcpyAsync(copy, src, sizeof(float), cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
+        return internal("copying a scale failed");
+      src = copy;
+    }
+    *arg.ptr = src;
+    *arg.lt_mode = lt::kScaleScalar;
+    return ffi::Error::Success();
+  }
+  const bool vec = arg.mode == kVec128;
+  *arg.lt_mode = vec ? lt::kScaleVec128 : lt::kScaleBlk128;
+  const int64_t kb = cdiv(k, 128);
+  const int64_t sr = vec ? arg.rows : cdiv(arg.rows, 128);
+  const int64_t lr = std::max(sr, vec ? arg.layout_rows : cdiv(arg.layout_rows, 128));  // rows of the layout
+  if (pad < 1) pad = 1;
+  const bool transpose = vec ? (layout == 0) : (layout != 0);
+  // transposed: [kb, rup(lr)], rows contiguous; else [lr, rup(kb)], kb contiguous
+  const int64_t out_rows = transpose ? kb : lr, ld = transpose ? rup(lr, pad) : rup(kb, pad);
+  if (!transpose && out_rows == sr && ld == kb && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+    *arg.ptr = src;
+    return ffi::Error::Success();
+  }
+  float* out = static_cast<float*>(scratch.get(size_t(out_rows * ld) * sizeof(float)));
+  if (!out) return out_of_scratch(scratch, "a scale re-layout");
+  *job = gemm::ScaleStage{src, sr, kb, out, out_rows, ld, transpose};
+  *arg.ptr = out;
+  return ffi::Error::Success();
+}
+
 // The scales of A and B (or A alone) in cuBLASLt's layouts, the re-layouts in one launch.
 ffi::Error scale_ptrs(cudaStream_t stream, Scratch& scratch, int64_t k, int32_t layout, int32_t pad, const ScaleArg& a,
                       const ScaleArg& b = ScaleArg{}) {
@@ -442,10 +443,7 @@ ffi::Error scale_ptrs(cudaStream_t stream, Scratch& scratch, int64_t k, int32_t 
   const ScaleArg* args[2] = {&a, &b};
   for (int i = 0; i < 2; ++i)
     if (args[i]->src)
-      if (auto e = scale_layout(stream, scratch, args[i]->src, args[i]->mode, args[i]->rows, k, layout, pad,
-                                args[i]->layout_rows, args[i]->ptr, args[i]->lt_mode, &job[i]);
-          e.failure())
-        return e;
+      if (auto e = scale_layout(stream, scratch, k, layout, pad, *args[i], &job[i]); e.failure()) return e;
   std::string e = gemm::stage_scales(job[0], job[1], stream);
   return e.empty() ? ffi::Error::Success() : internal("scale re-layout: " + e);
 }
