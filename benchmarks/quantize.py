@@ -50,6 +50,7 @@ def main():
     p.add_argument("--k", type=int, default=16384)
     p.add_argument("--out", default="quantize_bench.json")
     p.add_argument("--no-xla", action="store_true")
+    p.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     args = p.parse_args()
     dev = jax.devices()[0]
     print("device:", dev.device_kind, "jax", jax.__version__, "kernels on gpu:", available("gpu"), flush=True)
@@ -69,6 +70,7 @@ def main():
         ("nvfp4_2d", NVFP4(block_2d=True)),
         ("nvfp4_rht", NVFP4(rht=True)),
         ("nvfp4_sr", NVFP4(stochastic_rounding=True)),
+        ("nvfp4_rht_sr", NVFP4(rht=True, stochastic_rounding=True)),  # the nvfp4 recipe's gradients
         ("fp8_block_1x128", Float8Block()),
         ("fp8_block_128x128", Float8Block((128, 128))),
         ("fp8_block_1x128_colonly", Float8Block()),
@@ -77,6 +79,12 @@ def main():
         ("hyb nvfp4_2d|fp8_block_128x128", Hybrid(NVFP4(block_2d=True), Float8Block((128, 128)))),
         ("hyb fp8_current|nvfp4", Hybrid(Float8CurrentScaling(), NVFP4())),
     ]
+    if args.cases:
+        names = args.cases.split(",")
+        unknown = sorted(set(names) - {n for n, _ in cases})
+        if unknown:
+            p.error(f"unknown cases {unknown}; known: {', '.join(n for n, _ in cases)}")
+        cases = [c for c in cases if c[0] in names]
     rows = []
     for name, q in cases:
         usage = ("columnwise",) if name.endswith("colonly") else USAGES
