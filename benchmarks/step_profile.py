@@ -73,9 +73,9 @@ def origins(hlo_text: str) -> dict:
     return {m.group(1): origin(m.group(2)) for m in map(_INST.match, hlo_text.splitlines()) if m}
 
 
-def describe(hlo_text: str, operands: bool = False) -> dict:
-    """{instruction name: its result shape and opcode (custom calls: their target)}, to name the top ops;
-    with `operands`, the operands' shapes follow (a GEMM's K is only there)."""
+def describe(hlo_text: str) -> dict:
+    """{instruction name: its result shape and opcode (custom calls: their target), then its operands' shapes
+    (a GEMM's K, a quantize fusion's input are only there)}, to name the top ops."""
     out, shapes, args = {}, {}, {}
     for line in hlo_text.splitlines():
         m = _INST.match(line)
@@ -86,9 +86,8 @@ def describe(hlo_text: str, operands: bool = False) -> dict:
             shapes[m.group(1)] = re.sub(r"\{[\d,]*\}", "", shape)
             args[m.group(1)] = re.findall(r"%([\w.\-]+)", rhs[len(shape):].split("), ")[0])
             out[m.group(1)] = f"{shape[:90]} {target.group(1) if target else _opcode(rhs)}"
-    if operands:
-        for name in out:
-            out[name] += " <- " + " ".join(shapes.get(a, "?") for a in args[name])[:200]
+    for name in out:
+        out[name] += " <- " + " ".join(shapes.get(a, "?") for a in args[name])[:200]
     return out
 
 
@@ -186,7 +185,6 @@ def profile_step(run_step, steps: int, hlo_text: str, step_s: float) -> dict:
     desc = describe(hlo_text)
     out["top_quantize_ops"] = [(h, desc.get(h, "?"), round(t, 3)) for h, t in per_op.most_common()
                                if cats.get(h) == "quantize"][:16]
-    desc = describe(hlo_text, operands=True)
     out["gemm_ops"] = [(h, desc.get(h, "?"), round(t, 4)) for h, t in per_op.most_common() if cats.get(h) == "gemm"]
     out.update(device_ms=device_ms, idle_ms=max(1e3 * step_s - device_ms, 0.0),
                kernels_per_step={c: v / steps for c, v in n_kernels.items()},
