@@ -46,6 +46,45 @@ def test_quantize_matches_reference(q, shape, dtype):
         assert compare(got, ref, f"{q.label} {shape} {jnp.dtype(dtype).name} {usage}") == []
 
 
+@pytest.mark.parametrize("q,shape,dtype", list(_cases()), ids=lambda v: str(getattr(v, "label", v)))
+def test_transposed_launch_matches_reference(q, shape, dtype):
+    """x's copies made from x.T where it lies (`transposed=True`, the dense op's weights): bit-equal to the
+    reference of x, outputs poisoned first; a side with the Hadamard transform declines (None)."""
+    from jaxhq.ffi.dispatch import quantize_copies
+    from jaxhq.formats.hybrid import side
+    x = random_input(jax.random.key(next(_seed)), shape, dtype)
+    xt = jnp.asarray(np.ascontiguousarray(np.asarray(x).T))  # laid out transposed, as a Flax kernel is
+    st = state_for(q)
+    got = quantize_copies(xt, q, ("rowwise", "columnwise"), state=st, platform="cpu", poison=True, transposed=True)
+    if got is None:
+        assert any(isinstance(side(q, a), NVFP4) and side(q, a).uses_rht(a) for a in ("rowwise", "columnwise"))
+        return
+    ref = reference_copies(x, q, ("rowwise", "columnwise"), state=st)
+    assert compare(got, ref, f"transposed {q.label} {shape} {jnp.dtype(dtype).name}") == []
+
+
+def test_quantize_transposed_through_the_entry_point(monkeypatch):
+    """quantize(w, transposed=True) on the kernels equals quantize(w.T) (the reference's transpose) in every
+    field; stochastic rounding keeps its scales and draws reproducible numbers; only 2D inputs are taken."""
+    from jaxhq.formats import Float8CurrentScaling, MXFP8, QuantizationError, quantize
+    monkeypatch.setenv("JAXHQ_KERNELS", "all")
+    w = random_input(jax.random.key(21), (96, 160), jnp.bfloat16)
+    for q in (Float8CurrentScaling(), Hybrid(MXFP8(), NVFP4(block_2d=True))):
+        a, b = quantize(w, q, transposed=True), quantize(w.T, q)
+        assert a.shape == b.shape == (160, 96) and a.dtype == b.dtype
+        assert compare({"rowwise": a.rowwise, "columnwise": a.columnwise},
+                       {"rowwise": b.rowwise, "columnwise": b.columnwise}, q.label) == []
+    sr, k = NVFP4(stochastic_rounding=True), jax.random.key(5)
+    a, a2, b = (quantize(w, sr, key=k, transposed=True), quantize(w, sr, key=k, transposed=True),
+                quantize(w.T, sr, key=k))
+    for ax in ("rowwise", "columnwise"):
+        np.testing.assert_array_equal(np.asarray(a.get(ax).data), np.asarray(a2.get(ax).data))
+        np.testing.assert_array_equal(np.asarray(a.get(ax).scale_inv.astype(jnp.float32)),
+                                      np.asarray(b.get(ax).scale_inv.astype(jnp.float32)))
+    with pytest.raises(QuantizationError, match="2D needed"):
+        quantize(w.reshape(2, 48, 160), Float8CurrentScaling(), transposed=True)
+
+
 @pytest.mark.parametrize("q", [NVFP4(stochastic_rounding=True), NVFP4(rht=True, stochastic_rounding=True)],
                          ids=lambda q: q.label)
 def test_stochastic_rounding_unbiased_and_reproducible(q):

@@ -50,9 +50,15 @@ def _side_state(q, state, axis):
 
 
 def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=None,
-                    platform: Optional[str] = None, poison: bool = False, sides=None) -> Optional[dict]:
+                    platform: Optional[str] = None, poison: bool = False, sides=None,
+                    transposed: bool = False) -> Optional[dict]:
     """{axis: Storage} for each axis in `usage` (rowwise [M, K], columnwise [K, M]) of x2d [M, K], bit-equal
     to `side(quantizer, axis).quantize_2d`, or None when the kernels do not apply here.
+
+    transposed: x2d is given as its transpose [K, M]; the kernel reads it where it lies and writes each copy
+    from the other side (the rowwise copy of x2d is the columnwise copy of what it reads), so no transposed
+    copy of x2d is made first. Stochastic rounding then draws other numbers (each copy's stream is its side
+    of the launch); the Hadamard-transformed amax is not taken this way (None: the caller transposes).
 
     quantizer: a plain quantizer or a Hybrid (normalized); key: jax.random key (stochastic rounding);
     state: delayed-scaling state (per side for a Hybrid, as jaxhq.formats.init_state makes it);
@@ -65,7 +71,7 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     platform = platform or P.platform_of(x2d)
     if not P.has_kernel(platform):
         return None
-    m, k = x2d.shape
+    m, k = x2d.shape[::-1] if transposed else x2d.shape
     ids = {a: format_id(side(quantizer, a), a) if sides is None or a in sides else None for a in usage}
     if all(v is None for v in ids.values()):
         return None
@@ -78,6 +84,8 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     delayed = {a for a, v in ids.items() if v is not None and isinstance(side(quantizer, a), Float8DelayedScaling)}
     need_amax = any(v is not None and v[0] in (P.FP8_TENSOR, P.NVFP4) and a not in delayed for a, v in ids.items())
     need_rht = any(v is not None and v[0] == P.NVFP4 and v[1] & P.OPT_RHT for v in ids.values())
+    if need_rht and transposed:
+        return None
     # On the "xla" amax path the amax is a jnp reduction that XLA fuses into the op producing x (x is not read
     # again). The kernel computes the scale from a NaN amax whatever its bits, so it takes the reduction's own
     # result (`raw`, no small kernel after the reduction); the Storage records the canonical NaN.
@@ -119,15 +127,18 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
                 key_words = jax.random.bits(key, (2,), jnp.uint32)
         if s is not None:
             values[a] = s
+    # The launch's sides: its rowwise copy is made along the rows of what it reads (x2d's columnwise copy when
+    # that is the transpose).
+    launch = (COLUMNWISE, ROWWISE) if transposed else USAGES
     # one scalar for both copies when they read the same one (or only one reads any), else one each
     vals = list(values.values())
     if len(vals) == 2 and vals[0] is not vals[1]:
-        scales = jnp.stack([jnp.asarray(values[a], jnp.float32) for a in USAGES])
+        scales = jnp.stack([jnp.asarray(values[a], jnp.float32) for a in launch])
     else:
         scales = jnp.asarray(vals[0] if vals else 1.0, jnp.float32).reshape(1)
-    seed = P.seed_words(key_words, m, k)
+    seed = P.seed_words(key_words, *x2d.shape)
     no = (P.NONE, 0)
-    row, col = ids.get(ROWWISE) or no, ids.get(COLUMNWISE) or no
+    row, col = ids.get(launch[0]) or no, ids.get(launch[1]) or no
     want_amax = bool(delayed) and amax_plain is None
     eps = eps or 0.0
     if poison:  # tests: the unpartitioned call that writes into poisoned buffers
@@ -140,15 +151,17 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
         kamax = next(outs) if want_amax else None
     if want_amax:
         amaxes.update({a: canonical_nan(kamax) for a in delayed})
+    made = {launch[0]: (rd, rs), launch[1]: (cd, cs)}
 
     out = {}
-    for a, data, sc, shape in ((ROWWISE, rd, rs, (m, k)), (COLUMNWISE, cd, cs, (k, m))):
+    for a, shape in ((ROWWISE, (m, k)), (COLUMNWISE, (k, m))):
         if a not in usage:
             continue
         q = side(quantizer, a)
         v = ids[a]
+        data, sc = made[a]
         if v is None:  # e.g. Identity: the reference makes this side
-            arr = x2d if a == ROWWISE else x2d.T
+            arr = x2d if (a == ROWWISE) != transposed else x2d.T
             sk = None if key is None else jax.random.fold_in(key, USAGES.index(a))
             out[a] = q.quantize_2d(arr, a, key=sk, state=_side_state(quantizer, state, a), amax=amax)
             continue

@@ -127,29 +127,38 @@ def _kernel_copies(x2d, q, usage, **kw) -> Optional[dict]:
     return quantize_copies(x2d, q, usage, sides=sides, **kw)
 
 
-def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=None, amax=None) -> QTensor:
+def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=None, amax=None,
+             transposed: bool = False) -> QTensor:
     """Quantize `x` (rank >= 2, leading dims flattened into rows) into the copies named by `usage`.
 
     key: jax.random key for stochastic rounding; state: delayed-scaling state (see `init_state`);
     amax: a precomputed (e.g. mesh-reduced) per-tensor amax of x, used by per-tensor formats' copies.
+    transposed: x is 2D and the tensor to quantize is x.T; the kernels read x where it lies (the dense op's
+    weight: the kernel [in, out] makes the copies of its transpose without a transposed copy in between, so
+    XLA can fuse the amax into the cast that produces it). The same copies as quantize(x.T), except that
+    stochastic rounding draws other numbers on the kernel path.
     """
     if not isinstance(quantizer, Quantizer):
         raise TypeError(f"quantize needs a Quantizer, got {quantizer!r}")
     check_input(x, quantizer)
+    if transposed and x.ndim != 2:
+        raise QuantizationError(f"transposed quantization of shape {tuple(x.shape)} with {quantizer}: 2D needed")
     usage = normalize_usage(usage)
     q = normalize(quantizer)
     with jax.named_scope(QUANTIZE_SCOPE):  # profiles attribute these ops to quantization
-        return _quantize(x, q, usage, key, state, amax)
+        return _quantize(x, q, usage, key, state, amax, transposed)
 
 
 QUANTIZE_SCOPE = "jaxhq_quantize"
 STATE_SCOPE = "jaxhq_state"
 
 
-def _quantize(x, q, usage, key, state, amax) -> QTensor:
+def _quantize(x, q, usage, key, state, amax, transposed=False) -> QTensor:
     x = jax.lax.stop_gradient(x)
     x2d = x.reshape(-1, x.shape[-1])
-    copies = _kernel_copies(x2d, q, usage, key=key, state=state, amax=amax)
+    copies = _kernel_copies(x2d, q, usage, key=key, state=state, amax=amax, transposed=transposed)
+    if transposed:
+        x = x2d = x2d.T  # the reference (and the result's shape): the tensor itself
     if copies is not None:
         return QTensor(rowwise=copies.get(ROWWISE), columnwise=copies.get(COLUMNWISE),
                        shape=tuple(x.shape), dtype=jnp.dtype(x.dtype))

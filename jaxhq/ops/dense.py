@@ -4,7 +4,8 @@ forward  y  = rowwise(x)  . rowwise(w)
 dgrad    dx = rowwise(dy) . columnwise(w)
 wgrad    dw = columnwise(x) . columnwise(dy)
 
-The kernel is in Flax layout [in, out]; it is quantized as w.T ([out, in]) so every GEMM operand is K-major.
+The kernel is in Flax layout [in, out]; it is quantized as w.T ([out, in]) so every GEMM operand is K-major, read
+in place (`quantize(kernel, transposed=True)`: no transposed copy of the kernel is made first).
 The forward saves only the columnwise copies (never x or w in high precision unless their slot is Identity).
 Delayed-scaling state: the input and weight states are updated by the forward (returned), the grad_output
 state through the gradient: the cotangent returned for `states["grad_output"]` is its new value.
@@ -56,10 +57,10 @@ def _keys(key):
     return tuple(jax.random.fold_in(key, i) for i in range(3))
 
 
-def _quantize(t, qs: DenseQuantizers, slot: str, usage, key, state):
+def _quantize(t, qs: DenseQuantizers, slot: str, usage, key, state, transposed=False):
     q = getattr(qs, slot)
     try:
-        return quantize(t, q, usage, key=key, state=state)
+        return quantize(t, q, usage, key=key, state=state, transposed=transposed)
     except (ValueError, TypeError) as e:
         raise type(e)(f"{slot} of {qs.role(slot) or 'dense'}: {e}") from None
 
@@ -75,7 +76,7 @@ def _forward(x, kernel, bias, states, key, qs: DenseQuantizers, usage_x, usage_w
     quantize_x = lambda usage: _quantize(x2d, qs, "input", usage, kx, states.get("input"))  # noqa: E731
     # sequence parallel: each device quantizes its tokens, the copies are all-gathered as quantized bytes
     qx = sp.quantize(quantize_x, qs.input, usage_x, gather_columnwise=False) if gathered else quantize_x(usage_x)
-    qw = _quantize(kernel.T, qs, "weight", usage_w, kw, states.get("weight"))
+    qw = _quantize(kernel, qs, "weight", usage_w, kw, states.get("weight"), transposed=True)  # copies of kernel.T
     if wsh is not None:  # sharding hook: keep the quantized copies sharded like the kernel
         qw = wsh.shard(qw)
     w_fwd = qw.rowwise if wsh is None else wsh.gathered(qw.rowwise)  # all-gather of quantized bytes
