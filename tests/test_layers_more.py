@@ -175,8 +175,8 @@ def test_per_layer_factory_lands_in_residuals(monkeypatch):
     dense_mod = importlib.import_module("jaxhq.ops.dense")
     orig = dense_mod._quantize
 
-    def spy(t, qs, slot, usage, key, state):
-        qt = orig(t, qs, slot, usage, key, state)
+    def spy(t, qs, slot, usage, key, state, **kw):
+        qt = orig(t, qs, slot, usage, key, state, **kw)
         seen.append((qs.role(slot), qt.columnwise.format if qt.columnwise is not None else None))
         return qt
 
