@@ -78,7 +78,8 @@ def emu(tmp_path_factory):
     lib.emu_stage_scales.argtypes = [ptr, i64, i64, ptr, i64, i64, i32] * 2 + [i32]
     lib.emu_e2m1_mismatches.argtypes = [ctypes.c_uint32, ctypes.c_uint32]
     lib.emu_e2m1_mismatches.restype = ctypes.c_uint64
-    lib.emu_e2m1_sr_mismatches.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_float]
+    lib.emu_e2m1_sr_mismatches.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32,
+                                           ctypes.POINTER(ctypes.c_uint64)]
     lib.emu_e2m1_sr_mismatches.restype = ctypes.c_uint64
     for fn in (lib.emu_quantize, lib.emu_amax, lib.emu_dequantize, lib.emu_dequant_mxfp8, lib.emu_dequant_nvfp4,
                lib.emu_stage_scales):
@@ -153,17 +154,28 @@ def _input(shape, dtype_id, batch, special: bool):
 def test_e2m1_short_rounding_equals_reference_forms_on_every_float(emu):
     """The kernels' E2M1 rounding by float additions (numerics.h) against the reference's formulas on every bit
     pattern: nearest-even (e2m1_code_finite against the threshold form; NaN excluded: the kernels take that form
-    for blocks with a NaN) on all 2^32; stochastic (e2m1_code_sr against the grid-search form of
-    casts.e2m1_codes_stochastic) with u = 0.5 on all 2^32 and with the extreme draws 2^-23 and 1 - 2^-23 on
-    every magnitude up to 8 of both signs. ctypes releases the GIL: two threads."""
+    for blocks with a NaN) on all 2^32; stochastic (e2m1_code_sr, one integer addition) against its definition in
+    double (up when the distance from below, in grid steps, is >= 1 - (64 k + 31) / 2^22 for the 16 random bits
+    k) with k = 0x8000 on all 2^32 and with the extreme draws 0 and 0xFFFF on every magnitude up to 8 of both
+    signs. Below 1 the kernels round |y| + 1 to float first, so there a draw within 2^-23 of the threshold may
+    go either way: few such, none elsewhere. ctypes releases the GIL: two threads."""
     from concurrent.futures import ThreadPoolExecutor
-    tiny, top = 2.0 ** -23, 1.0 - 2.0 ** -23
+
+    def sr(lo, hi, k):
+        near = ctypes.c_uint64(0)
+        bad = emu.emu_e2m1_sr_mismatches(lo, hi, k, ctypes.byref(near))
+        return bad, near.value
+
     jobs = [(emu.emu_e2m1_mismatches, 0, 0x7FFFFFFF), (emu.emu_e2m1_mismatches, 0x80000000, 0xFFFFFFFF),
-            (emu.emu_e2m1_sr_mismatches, 0, 0x7FFFFFFF, 0.5), (emu.emu_e2m1_sr_mismatches, 0x80000000, 0xFFFFFFFF, 0.5)]
-    jobs += [(emu.emu_e2m1_sr_mismatches, lo, lo + 0x41000000, u) for u in (tiny, top) for lo in (0, 0x80000000)]
+            (sr, 0, 0x7FFFFFFF, 0x8000), (sr, 0x80000000, 0xFFFFFFFF, 0x8000)]
+    jobs += [(sr, lo, lo + 0x41000000, k) for k in (0, 0xFFFF) for lo in (0, 0x80000000)]
     with ThreadPoolExecutor(2) as pool:
-        bad = list(pool.map(lambda j: j[0](*j[1:]), jobs))
-    assert bad == [0] * len(jobs)
+        got = list(pool.map(lambda j: j[0](*j[1:]), jobs))
+    assert got[:2] == [0, 0]
+    assert [bad for bad, _ in got[2:]] == [0] * (len(jobs) - 2)
+    # the window holds the floats within 2^-24 of a threshold a = lo + u / 2: at most 2^18 (k = 0xFFFF puts it
+    # near 2^-18, where floats are 2^-41 apart), a handful elsewhere
+    assert all(near <= 2 ** 19 for _, near in got[2:]), got
 
 
 @pytest.mark.parametrize("q,shape,dtype_id,batch", list(_cases()),

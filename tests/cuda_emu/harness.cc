@@ -125,19 +125,29 @@ uint64_t emu_e2m1_mismatches(uint32_t lo, uint32_t hi) {
   return bad;
 }
 
-// Bit patterns y in [lo, hi] where the kernels' stochastic E2M1 rounding (e2m1_code_sr) with uniform u differs
-// from the reference's formula (casts.e2m1_codes_stochastic): lo = the largest grid value <= min(|y|, 6), up
-// when u < (a - lo) / (hi - lo); NaN encodes 0 | sign.
-uint64_t emu_e2m1_sr_mismatches(uint32_t lo, uint32_t hi, float u) {
-  static const float grid[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+// Bit patterns y in [lo, hi] where the kernels' stochastic E2M1 rounding (e2m1_code_sr) with random bits k
+// differs from its definition, computed in double: lo = the largest grid value <= a = min(|y|, 6), up when
+// (a - lo) / (hi - lo) >= 1 - (64 k + 31) / 2^22; NaN encodes 0 | sign. Below 1 the kernels round a + 1 to
+// float first (the probability moves by at most 2^-23): a difference within that of the threshold is not
+// counted there, but in `near`.
+uint64_t emu_e2m1_sr_mismatches(uint32_t lo, uint32_t hi, uint32_t k, uint64_t* near) {
+  static const double grid[8] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0};
+  const double u = 1.0 - (64.0 * k + 31.0) / 4194304.0;
   uint64_t bad = 0;
+  *near = 0;
   for (uint64_t i = lo; i <= hi; ++i) {
-    const float y = jaxhq::u2f(uint32_t(i)), a = std::fmin(std::fabs(y), 6.0f);
+    const float y = jaxhq::u2f(uint32_t(i));
+    const double a = std::fmin(std::fabs(double(y)), 6.0);
     int c = 0;
     while (c < 7 && grid[c + 1] <= a) ++c;
-    if (c < 7 && u < (a - grid[c]) / (grid[c + 1] - grid[c])) ++c;
+    const double p = c < 7 ? (a - grid[c]) / (grid[c + 1] - grid[c]) : 0.0;
+    if (c < 7 && p >= u) ++c;
     if (jaxhq::is_nan(y)) c = 0;
-    bad += jaxhq::e2m1_code_sr(y, u) != uint8_t(c | (std::signbit(y) ? 8 : 0));
+    if (jaxhq::e2m1_code_sr(y, k) != uint8_t(c | (std::signbit(y) ? 8 : 0))) {
+      const bool window = a < 1.0 && std::fabs(p - u) <= 0x1p-23;
+      *near += window;
+      bad += !window;
+    }
   }
   return bad;
 }

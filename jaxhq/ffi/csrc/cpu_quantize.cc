@@ -89,7 +89,7 @@ void nvfp4(const View& v, const CopySpec& s, float genc, const uint32_t* seed, u
         for (int j = 0; j < 2; ++j) {
           float t = nclip(y[r * Cp + c + j] * enc, -6.0f, 6.0f);
           if (c + j >= C) { code[j] = 0; continue; }
-          code[j] = sr ? e2m1_code_sr(t, sr_uniform(s0, s1, stream, (uint64_t(r) + si.roff) * si.cols + uint64_t(c + j) + si.coff))
+          code[j] = sr ? e2m1_code_sr(t, sr_bits(s0, s1, stream, uint64_t(r) + si.roff, uint64_t(c + j) + si.coff, si.cols))
                        : e2m1_code(t);
         }
         d[r * pc + c / 2] = uint8_t(code[0] | (code[1] << 4));

@@ -54,10 +54,9 @@ template <> __device__ constexpr int dtype_id<__half>() { return kF16; }
 
 // The E2M1 codes of N values (N even) of copy row gr from column gc, two per byte (the even column in the low
 // nibble; columns at or past C encode 0): v * enc clipped to +-6, rounded to nearest even or, with `sr`,
-// stochastically by global position (the seed words of spec.h). The clip is implicit: e2m1_code saturates and
-// passes NaN as the clip does, e2m1_code_sr clips itself. `finite`: every v * enc is finite, so the shorter
-// e2m1_code_finite applies. The choices are made once per chunk (each path is its own unrolled loop); the
-// stochastic index and hash words are formed only on that path.
+// stochastically by global position (numerics.h sr_bits: a hash per two columns). The clip is implicit:
+// e2m1_code saturates and passes NaN as the clip does, e2m1_code_sr clips itself. `finite`: every v * enc is
+// finite, so the shorter forms apply. The choices are made once per chunk (each path is its own unrolled loop).
 template <int N, typename Code>
 __device__ __forceinline__ void e2m1_pack(const float (&v)[N], float enc, int64_t valid, Code code_of,
                                           uint8_t (&out)[N / 2]) {
@@ -76,23 +75,63 @@ __device__ __forceinline__ void e2m1_pack(const float (&v)[N], float enc, int64_
   else pack(std::true_type{});
 }
 
-template <int N>
+// Stochastic codes of a chunk whose N columns' hash pairs do not cross a 2^32 boundary of the pair index: one
+// key, N / 2 hashes when the chunk starts on an even global column (element 2i: the low half of pair q0 + i,
+// 2i + 1: the high half), N / 2 + 1 when odd (element 2i: the high half of pair q0 + i, 2i + 1: the low half of
+// q0 + i + 1).
+template <int N, bool kFinite>
+__device__ __forceinline__ void e2m1_pack_sr(const float (&v)[N], float enc, int64_t valid, uint32_t key,
+                                             uint32_t q0, bool odd, uint8_t (&out)[N / 2]) {
+  auto pack = [&](auto masked, auto odd_start) {
+    uint32_t h = odd_start ? mix32(key ^ q0) : 0u;
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      uint32_t k0, k1;
+      if (decltype(odd_start)::value) {
+        k0 = h >> 16;
+        h = mix32(key ^ (q0 + uint32_t(i + 1)));
+        k1 = h & 0xFFFFu;
+      } else {
+        h = mix32(key ^ (q0 + uint32_t(i)));
+        k0 = h & 0xFFFFu;
+        k1 = h >> 16;
+      }
+      uint32_t c0 = e2m1_code_sr<kFinite>(v[2 * i] * enc, k0), c1 = e2m1_code_sr<kFinite>(v[2 * i + 1] * enc, k1);
+      if (decltype(masked)::value) {
+        c0 = 2 * i < valid ? c0 : 0u;
+        c1 = 2 * i + 1 < valid ? c1 : 0u;
+      }
+      out[i] = uint8_t(c0 | (c1 << 4));
+    }
+  };
+  if (odd) {
+    if (valid >= N) pack(std::false_type{}, std::true_type{});
+    else pack(std::true_type{}, std::true_type{});
+  } else {
+    if (valid >= N) pack(std::false_type{}, std::false_type{});
+    else pack(std::true_type{}, std::false_type{});
+  }
+}
+
+// kMaySR: the kernel takes stochastic copies (a separate instantiation: the stochastic path's registers would
+// cost the others occupancy).
+template <int N, bool kMaySR>
 __device__ __forceinline__ void nvfp4_codes(const float (&v)[N], float enc, bool sr, bool finite,
                                             const uint32_t* seed, int side, int64_t gr, int64_t gc, int64_t C,
                                             uint8_t (&out)[N / 2]) {
   const int64_t valid = C - gc;  // columns of this chunk inside the copy
-  if (sr) {
+  if (kMaySR && sr) {
     const SrIndex si = sr_index(seed, side);
-    const uint64_t base = (uint64_t(gr) + si.roff) * si.cols + uint64_t(gc) + si.coff;
+    const uint64_t row = uint64_t(gr) + si.roff, col = uint64_t(gc) + si.coff;
+    const uint64_t q0 = sr_pair(row, col, si.cols);
     const uint32_t s0 = seed[0], s1 = seed[1];
-    if (uint32_t(base) <= 0xFFFFFFFFu - N) {  // the N indices share their high word: one key
-      const uint32_t key = sr_key(s0, s1, uint32_t(side), uint32_t(base >> 32)), low = uint32_t(base);
-      e2m1_pack(v, enc, valid, [&](float q, int e) -> uint32_t {
-        return e2m1_code_sr(q, sr_uniform_key(key, low + uint32_t(e)));
-      }, out);
+    if (uint32_t(q0) <= 0xFFFFFFFFu - N) {  // the chunk's pairs share their high word: one key
+      const uint32_t key = sr_key(s0, s1, uint32_t(side), uint32_t(q0 >> 32));
+      if (finite) e2m1_pack_sr<N, true>(v, enc, valid, key, uint32_t(q0), col & 1, out);
+      else e2m1_pack_sr<N, false>(v, enc, valid, key, uint32_t(q0), col & 1, out);
     } else {
       e2m1_pack(v, enc, valid, [&](float q, int e) -> uint32_t {
-        return e2m1_code_sr(q, sr_uniform(s0, s1, uint32_t(side), base + uint64_t(e)));
+        return e2m1_code_sr(q, sr_bits(s0, s1, uint32_t(side), row, col + uint64_t(e), si.cols));
       }, out);
     }
   } else if (finite) {
@@ -135,9 +174,9 @@ __device__ __forceinline__ void write_scale_inv(const Params& p, int64_t b, cons
 // the copy's scalar (copy_scalar), encoded and stored; the chunk that starts a block also writes the block's
 // scale. Both kernels call this, so the numerics (numerics.h, as the CPU handlers) and the layouts are written
 // once. F: the side's format when the caller fixes it at compile time (only that format's code is emitted), or
-// kAnyFormat to read it from the parameters.
+// kAnyFormat to read it from the parameters; kMaySR: NVFP4 copies may round stochastically (nvfp4_codes).
 constexpr int kAnyFormat = -1;
-template <int N, typename T, int F = kAnyFormat>
+template <int N, typename T, int F = kAnyFormat, bool kMaySR = false>
 __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, int64_t gr, int64_t gc, float amax,
                                              float tscale, const float (&v)[N]) {
   const SideParams& sp = p.side[s];
@@ -151,7 +190,7 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
     if (gc % 16 == 0) scale[gr * ((C + 15) / 16) + gc / 16] = sbyte;
     const float enc = nvfp4_encode_mult(dec, tscale);
     uint8_t out[N / 2];  // |v| <= amax, so amax * enc finite (not NaN) bounds every v * enc
-    nvfp4_codes(v, enc, sp.opts & kStochastic, amax * enc <= 3.4e38f, p.seed + kSeedWords * b, s, gr, gc, C, out);
+    nvfp4_codes<N, kMaySR>(v, enc, sp.opts & kStochastic, amax * enc <= 3.4e38f, p.seed + kSeedWords * b, s, gr, gc, C, out);
     const int64_t pc = (C + 1) / 2;
     store_bytes(data + gr * pc + gc / 2, out, (C - gc + 1) / 2, pc % (N / 2) == 0);
     return;

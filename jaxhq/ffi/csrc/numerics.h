@@ -203,20 +203,19 @@ JHQ_HD uint8_t e2m1_code_finite(float y) {
 }
 // Magnitude of E2M1 code c in 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6 (no table: registers only on the GPU).
 JHQ_HD float e2m1_grid(int c) { return c < 4 ? 0.5f * float(c) : (c < 6 ? float(c - 2) : 2.0f * float(c - 4)); }
-// Stochastic E2M1: up with probability (a - lo) / (hi - lo), u uniform in [0, 1), a = min(|y|, 6); NaN gives
-// 0 | sign. e2m1_nearest's grid point, one step back when it lies above a, is lo; (a - lo) times the step's
-// reciprocal (powers of two, so every operation is exact) is the probability.
-JHQ_HD uint8_t e2m1_code_sr(float y, float u) {
-  const float a = nmin(fabsf(y), 6.0f);
-  const E2m1Nearest n = e2m1_nearest(a);
-  float lo = n.r - u2f(n.m);
-  uint32_t code = n.code;
-  if (lo > a) {
-    lo -= u2f(n.pow - (1u << 23));
-    code -= 1u;
-  }
-  if (code < 7u && u < (a - lo) * u2f(0x7F800000u - n.pow)) code += 1u;
-  if (is_nan(a)) code = 0u;
+// Stochastic E2M1 from 16 random bits k: a = min(|y|, 6) goes up to the next grid point with probability
+// (a - lo) / (hi - lo) to within 2^-16, by one integer addition. E2M1's step at a >= 1 is bit 22 of a's float
+// bits (one mantissa bit kept), so adding r = 64 k + 31 (uniform below 2^22, centred) carries into bit 22 exactly
+// when k is large enough; below 1 the step is 0.5, bit 22 of t = a + 1 (rounded to 2^-23: the probability moves
+// by at most 2^-23). The code is t's bits after the carry, shifted down, minus the offset of its binade. NaN gives
+// 0 | sign; `finite`: the caller knows y is not NaN.
+template <bool kFinite = false>
+JHQ_HD uint8_t e2m1_code_sr(float y, uint32_t k) {
+  const float a = kFinite ? fminf(fabsf(y), 6.0f) : nmin(fabsf(y), 6.0f);
+  const bool sub = a < 1.0f;
+  const float t = sub ? a + 1.0f : a;
+  uint32_t code = ((f2u(t) + (k << 6) + 31u) >> 22) - (sub ? 254u : 252u);
+  if (!kFinite && is_nan(a)) code = 0u;
   return uint8_t(code | ((f2u(y) >> 28) & 8u));
 }
 JHQ_HD float e2m1_value(uint8_t c) {
@@ -250,10 +249,10 @@ JHQ_HD float nvfp4_encode_mult(float dec, float genc) { return dec == 0.0f ? 0.0
 // MXFP8: q = amax / fmt_max, likewise computed as amax * (1 / fmt_max).
 JHQ_HD float mx_q(float amax, bool e5m2) { return amax * (e5m2 ? (1.0f / 57344.0f) : (1.0f / 448.0f)); }
 
-// Counter-based numbers for stochastic rounding: uniform [0, 1) from (seed s0 s1, stream, 64-bit index). The
-// seed, the stream and the index's high word make a key (`sr_key`, once per 2^32 consecutive indices: kernels
-// compute it once per chunk); each number is one mix32 round of key ^ index_low, its high 23 bits as the
-// mantissa of a float in [1, 2), minus 1 (exact: no conversion instruction).
+// Counter-based random bits for stochastic rounding: 16 per element, two elements per hash. Element (r, c) of a
+// copy, at its global position (sr_index's offsets added), takes half c & 1 (low half first) of the hash of pair
+// q = r * ceil(cols / 2) + c / 2: one `mix32` round of key ^ (q mod 2^32), where the key (`sr_key`) mixes the
+// seed, the stream (the copy) and q's high word (kernels compute it once per chunk).
 JHQ_HD uint32_t mix32(uint32_t x) {
   x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
   return x;
@@ -261,11 +260,11 @@ JHQ_HD uint32_t mix32(uint32_t x) {
 JHQ_HD uint32_t sr_key(uint32_t s0, uint32_t s1, uint32_t stream, uint32_t index_high) {
   return mix32(s0 ^ mix32(s1 ^ mix32(index_high + 0x85ebca6bu) ^ (0x9e3779b9u * (stream + 1u))));
 }
-JHQ_HD float sr_uniform_key(uint32_t key, uint32_t index_low) {
-  return u2f(0x3F800000u | (mix32(key ^ index_low) >> 9)) - 1.0f;
-}
-JHQ_HD float sr_uniform(uint32_t s0, uint32_t s1, uint32_t stream, uint64_t index) {
-  return sr_uniform_key(sr_key(s0, s1, stream, uint32_t(index >> 32)), uint32_t(index));
+JHQ_HD uint64_t sr_pair(uint64_t r, uint64_t c, uint64_t cols) { return r * ((cols + 1) / 2) + c / 2; }
+JHQ_HD uint32_t sr_bits(uint32_t s0, uint32_t s1, uint32_t stream, uint64_t r, uint64_t c, uint64_t cols) {
+  const uint64_t q = sr_pair(r, c, cols);
+  const uint32_t h = mix32(sr_key(s0, s1, stream, uint32_t(q >> 32)) ^ uint32_t(q));
+  return (c & 1) ? h >> 16 : h & 0xFFFFu;
 }
 
 // 16-point random Hadamard transform (nvfp4.apply_rht): v -> H (signs * v) / 4, Sylvester H, in place.
