@@ -151,7 +151,8 @@ def profile_step(run_step, steps: int, hlo_text: str, step_s: float) -> dict:
     On a GPU, compile the profiled step with NO_GRAPHS: inside a CUDA graph (XLA's command buffers) the
     profiler reports the graph as one op, which hides what it holds.
 
-    Returns {category}_ms per step, kernels per step (per category), device_ms and idle_ms (wall - device).
+    Returns {category}_ms per step, kernels per step (per category), device_ms and idle_ms (wall - device), the
+    slowest ops, the quantize and GEMM ops with their operand shapes, and every op (`all_ops`).
     """
     cats = categorize(hlo_text)
     with tempfile.TemporaryDirectory() as d:
@@ -186,6 +187,8 @@ def profile_step(run_step, steps: int, hlo_text: str, step_s: float) -> dict:
     out["top_quantize_ops"] = [(h, desc.get(h, "?"), round(t, 3)) for h, t in per_op.most_common()
                                if cats.get(h) == "quantize"][:16]
     out["gemm_ops"] = [(h, desc.get(h, "?"), round(t, 4)) for h, t in per_op.most_common() if cats.get(h) == "gemm"]
+    # every op of the step: (HLO name, category, what it is with its operands' shapes, ms per step), slowest first
+    out["all_ops"] = [(h, cats.get(h, "?"), desc.get(h, "?"), round(t, 4)) for h, t in per_op.most_common()]
     out.update(device_ms=device_ms, idle_ms=max(1e3 * step_s - device_ms, 0.0),
                kernels_per_step={c: v / steps for c, v in n_kernels.items()},
                unmatched_ops=len({h for h, _ in events if h not in cats}))

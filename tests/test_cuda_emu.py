@@ -206,6 +206,31 @@ def test_quantize_kernel_matches_cpu_code(emu, q, shape, dtype_id, batch):
                                        f"first {bad[:5]}")
 
 
+@pytest.mark.parametrize("offsets", [(5, 3), (54366627, 7)], ids=["odd", "pair-index-crosses-2^32"])
+@pytest.mark.parametrize("q", [NVFP4(stochastic_rounding=True), Hybrid(NVFP4(rht=True, stochastic_rounding=True),
+                                                                      NVFP4(block_2d=True, stochastic_rounding=True))],
+                         ids=lambda q: q.label)
+def test_stochastic_rounding_at_shard_offsets(emu, q, offsets):
+    """A shard's stochastic draws come from its global position (seed words: row and column offsets, the global
+    shape). Odd column offsets start chunks on odd global columns (the kernel's second pairing of hashes), and a
+    large row offset puts chunks whose pair indices cross 2^32 (the kernel's per-element path): the tile kernel
+    equals the CPU code there, outputs poisoned first."""
+    shape, (roff, coff) = (48, 80), offsets
+    x = _input(shape, 1, 1, False)
+    # global shape (roff + 57, coff + 151): with (54366627, 7), row 47's chunk from column 64 of the rowwise copy
+    # has pair indices 2^32 - 15 ...
+    seed = np.array([[123456789, 987654321, roff, coff, roff + shape[0] + 9, coff + shape[1] + 71]], np.uint32)
+    scales = np.array([[0.75, 1.5]], np.float32)
+    row, col = _ids(q)
+    err, want, _ = _quantize(emu, x, row, col, scales, seed, -1, 0, 0)
+    assert err == ""
+    for order, poison in itertools.product(ORDERS, POISONS):
+        err, got, _ = _quantize(emu, x, row, col, scales, seed, 0, order, poison)
+        assert err == "", err
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert _differ(g, w, *(row, col)[i // 2], is_data=i % 2 == 0).size == 0, (q.label, offsets, order, i)
+
+
 @pytest.mark.parametrize("shape", [(1, 7), (300, 17), (257, 385), (64, 96), (300, 520), (528, 264)])
 @pytest.mark.parametrize("dtype_id", list(DTYPES))
 def test_amax_kernel_matches_cpu_code(emu, shape, dtype_id):

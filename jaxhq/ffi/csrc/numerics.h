@@ -186,20 +186,16 @@ JHQ_HD uint8_t e2m1_code(float y) {
 // half of a's binade floor (0.5 below 1), so adding M = 2^(22 + max(e, 0)) (e: a's exponent) rounds a to the
 // grid in the float addition itself; the low bits of r = a + M count the steps k, and the code is
 // 2 max(e, 0) + k. `pow` = the bits of 2^max(e, 0) (the step is half of it).
-struct E2m1Nearest {
-  uint32_t pow, m, code;
-  float r;
-};
-JHQ_HD E2m1Nearest e2m1_nearest(float a) {
+JHQ_HD uint32_t e2m1_nearest(float a) {
   const uint32_t eb = f2u(a) & 0xFF800000u, pow = eb > 0x3F800000u ? eb : 0x3F800000u;
   const uint32_t m = pow + (22u << 23);
   const float r = a + u2f(m);
-  return E2m1Nearest{pow, m, f2u(r) - m + (pow >> 22) - 254u, r};
+  return f2u(r) - m + (pow >> 22) - 254u;
 }
 // e2m1_code for a y that is not NaN, by e2m1_nearest. Equal to e2m1_code for every float but NaN (checked over all
 // of them: tests/test_cuda_emu.py).
 JHQ_HD uint8_t e2m1_code_finite(float y) {
-  return uint8_t(e2m1_nearest(fminf(fabsf(y), 6.0f)).code | ((f2u(y) >> 28) & 8u));
+  return uint8_t(e2m1_nearest(fminf(fabsf(y), 6.0f)) | ((f2u(y) >> 28) & 8u));
 }
 // Magnitude of E2M1 code c in 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6 (no table: registers only on the GPU).
 JHQ_HD float e2m1_grid(int c) { return c < 4 ? 0.5f * float(c) : (c < 6 ? float(c - 2) : 2.0f * float(c - 4)); }
