@@ -58,7 +58,8 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     transposed: x2d is given as its transpose [K, M]; the kernel reads it where it lies and writes each copy
     from the other side (the rowwise copy of x2d is the columnwise copy of what it reads), so no transposed
     copy of x2d is made first. Stochastic rounding then draws other numbers (each copy's stream is its side
-    of the launch); the Hadamard-transformed amax is not taken this way (None: the caller transposes).
+    of the launch); the Hadamard-transformed amax is not taken this way, so with an RHT side x2d is transposed
+    first and launched as usual.
 
     quantizer: a plain quantizer or a Hybrid (normalized); key: jax.random key (stochastic rounding);
     state: delayed-scaling state (per side for a Hybrid, as jaxhq.formats.init_state makes it);
@@ -84,8 +85,9 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     delayed = {a for a, v in ids.items() if v is not None and isinstance(side(quantizer, a), Float8DelayedScaling)}
     need_amax = any(v is not None and v[0] in (P.FP8_TENSOR, P.NVFP4) and a not in delayed for a, v in ids.items())
     need_rht = any(v is not None and v[0] == P.NVFP4 and v[1] & P.OPT_RHT for v in ids.values())
-    if need_rht and transposed:
-        return None
+    if need_rht and transposed:  # the amax kernel transforms columns of what it reads: give it the tensor
+        return quantize_copies(x2d.T, quantizer, usage, key=key, state=state, amax=amax, platform=platform,
+                               poison=poison, sides=sides)
     # On the "xla" amax path the amax is a jnp reduction that XLA fuses into the op producing x (x is not read
     # again). The kernel computes the scale from a NaN amax whatever its bits, so it takes the reduction's own
     # result (`raw`, no small kernel after the reduction); the Storage records the canonical NaN.
