@@ -114,6 +114,34 @@ def test_bf16_recipe_is_plain_matmul_bit_for_bit():
     np.testing.assert_allclose(f64(ours[3]), exact, rtol=2 ** -8, atol=2 ** -8 * np.abs(exact).max())
 
 
+@pytest.mark.parametrize("kernels", ["gpu", "all"])
+@pytest.mark.parametrize("name", NAMED + ["fp8/identity"])
+def test_float32_master_kernel_equals_its_bf16_cast(name, kernels, monkeypatch):
+    """bf16 x with the float32 kernel (what the layers pass: the master weight) gives the results of the kernel
+    cast to bf16 first, bit for bit (both sides quantize the same bf16 values; on the kernels, JAXHQ_KERNELS=all,
+    the quantize kernel rounds the float32 as it reads it), and dw comes back in float32: the bf16 GEMM output
+    cast, or where XLA drops that cast pair (its default excess precision: the plain dot of the bf16 recipe) the
+    GEMM's float32 result, which rounds to it. On the kernels, where no per-tensor amax comes first, the weight's launch reads the float32 kernel:
+    no bf16 copy of it is written."""
+    monkeypatch.setenv("JAXHQ_KERNELS", kernels)
+    qs = CASES[name] if name in CASES else recipes.get(name).dense_quantizers("m")
+    x, w, b, g = rand(30, (M, K), jnp.bfloat16), rand(31, (K, N)) * 0.1, rand(32, (N,), jnp.bfloat16), \
+        rand(33, (M, N), jnp.bfloat16)
+    key, states = jax.random.PRNGKey(34), states_for(qs)
+    ours = run_dense(x, w, b, g, qs, key, states)
+    cast = run_dense(x, w.astype(jnp.bfloat16), b, g, qs, key, states)
+    assert ours[2].dtype == jnp.float32 and cast[2].dtype == jnp.bfloat16
+    for what, u, v in zip(("y", "dx", "dw", "db"), ours, cast):
+        np.testing.assert_array_equal(np.asarray(u.astype(v.dtype).astype(jnp.float32)),
+                                      np.asarray(v.astype(jnp.float32)), err_msg=f"{name} {what}")
+    if kernels == "all" and name in ("fp8_block", "mxfp8", "fp8_delayed"):
+        from jaxhq.ffi import primitives as P
+        launches, orig = [], P.quantize
+        monkeypatch.setattr(P, "quantize", lambda x, *a, **kw: launches.append((x.shape, x.dtype)) or orig(x, *a, **kw))
+        jax.jit(lambda x, w: jaxhq.dense(x, w, quantizers=qs, states=states)).lower(x, w)
+        assert ((K, N), jnp.float32) in launches, launches
+
+
 @pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "nvfp4", "fp8_block", "hybrid:mxfp8:nvfp4"])
 def test_residuals_hold_no_high_precision_copy(name):
     qs = recipes.get(name).dense_quantizers("m")

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import jaxhq.ffi as jffi
-from jaxhq.formats import NVFP4, Hybrid
+from jaxhq.formats import NVFP4, Float8CurrentScaling, Hybrid
+from jaxhq.formats.hybrid import side
 
 pytestmark = pytest.mark.skipif(not jffi.available("cpu"), reason="jaxhq FFI extension not built")
 
@@ -58,6 +59,59 @@ def test_transposed_launch_matches_reference(q, shape, dtype):
     got = quantize_copies(xt, q, ("rowwise", "columnwise"), state=st, platform="cpu", poison=True, transposed=True)
     ref = reference_copies(x, q, ("rowwise", "columnwise"), state=st)
     assert compare(got, ref, f"transposed {q.label} {shape} {jnp.dtype(dtype).name}") == []
+
+
+def _bf16_input(shape, seed):
+    """float32 values that round to bfloat16 in every way: random ones, and ties (to even, both directions)."""
+    x = random_input(jax.random.key(seed), shape, jnp.float32)
+    ties = jnp.asarray([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(2 + 2 ** -7), 2 ** -126 * (1 + 2 ** -8)], jnp.float32)
+    return x.reshape(-1).at[:4].set(ties).reshape(shape)
+
+
+@pytest.mark.parametrize("q", SINGLE + HYBRID + [DELAYED], ids=lambda v: str(getattr(v, "label", v)))
+def test_bf16_input_launch_matches_reference_of_the_cast(q, monkeypatch):
+    """float32 x quantized as x.astype(bf16) (`cast_to`, the dense op's master weights), laid out either way:
+    bit-equal to the reference of the cast, outputs poisoned first. The launch reads the float32 x with the
+    bf16-input option on both copies (no bf16 copy written first), except where a per-tensor amax is taken
+    first (FP8 current scaling, NVFP4): XLA's cast carries that pass and the launch reads the cast."""
+    from jaxhq.ffi import dispatch, primitives as P
+    launches, orig = [], P.quantize
+
+    def spy(x, scales, seed, row=(P.NONE, 0), col=(P.NONE, 0), **kw):
+        launches.append((jnp.dtype(x.dtype), row, col))
+        return orig(x, scales, seed, row, col, **kw)
+
+    monkeypatch.setattr(P, "quantize", spy)
+    amax_first = any(isinstance(side(q, a), (Float8CurrentScaling, NVFP4)) for a in ("rowwise", "columnwise"))
+    for shape in ((33, 50), (256, 160), (130, 272)):
+        if not applicable(q, shape):
+            continue
+        x = _bf16_input(shape, next(_seed))
+        st = state_for(q)
+        ref = reference_copies(x.astype(jnp.bfloat16), q, ("rowwise", "columnwise"), state=st)
+        for transposed in (False, True):
+            xin = jnp.asarray(np.ascontiguousarray(np.asarray(x).T)) if transposed else x
+            launches.clear()
+            got = dispatch.quantize_copies(xin, q, ("rowwise", "columnwise"), state=st, platform="cpu", poison=True,
+                                           transposed=transposed, cast_to=jnp.bfloat16)
+            assert compare(got, ref, f"bf16 input {q.label} {shape} transposed={transposed}") == []
+            (dt, row, col), = launches
+            if amax_first:
+                assert dt == jnp.bfloat16
+            else:
+                assert dt == jnp.float32
+                assert all(o & P.OPT_BF16_INPUT for f, o in (row, col) if f != P.NONE), (row, col)
+
+
+def test_bf16_input_option_needs_float32_and_both_copies():
+    """The handler refuses the bf16-input option on a bf16 x, or on one copy of a launch only."""
+    from jaxhq.ffi import primitives as P
+    seed, scales = P.seed_words(jnp.zeros(2, jnp.uint32), 32, 64), jnp.ones((2,), jnp.float32)
+    on = (P.MXFP8, P.OPT_BF16_INPUT)
+    for x, row, col in ((jnp.ones((32, 64), jnp.bfloat16), on, (P.NONE, 0)),
+                        (jnp.ones((32, 64), jnp.float32), on, (P.MXFP8, 0))):
+        with pytest.raises(Exception, match="bfloat16-input option needs float32 x"):
+            jax.block_until_ready(P.quantize(x, scales, seed, row, col))
 
 
 def test_quantize_transposed_through_the_entry_point(monkeypatch):

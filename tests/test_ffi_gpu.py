@@ -151,3 +151,24 @@ def test_cuda_transposed_launch(q):
     got = jax.jit(lambda v, s: quantize_copies(v, q, usage, state=s, poison=True, transposed=True))(xt, st)
     ref = reference_copies(x, q, usage, state=st)
     assert compare(got, ref, f"transposed {q.label} {shape}") == []
+
+
+@pytest.mark.parametrize("q", SINGLE + HYBRID + [DELAYED], ids=lambda v: str(getattr(v, "label", v)))
+def test_cuda_bf16_input_launch(q):
+    """float32 x quantized as x.astype(bf16) by the CUDA kernels (`cast_to`: each value rounded as it is read,
+    the dense op's master weights), laid out either way: bit-equal to the reference of the cast, outputs poisoned
+    first. Ties to even in both directions among the values; partial tiles on both sides where the format
+    takes them (the register-tile kernel's edge loads, the tile kernel's for NVFP4)."""
+    from jaxhq.ffi.dispatch import quantize_copies
+    shape = next(s for s in ((2049, 384), (640, 4096 + 16), (1024, 2048)) if applicable(q, s))
+    gpu = _gpus()[0]
+    x = random_input(jax.random.key(next(_seed)), shape, jnp.float32)
+    x = x.reshape(-1).at[:3].set(jnp.asarray([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(2 + 2 ** -7)])).reshape(shape)
+    st = state_for(q)
+    usage = ("rowwise", "columnwise")
+    ref = reference_copies(x.astype(jnp.bfloat16), q, usage, state=st)
+    for transposed in (False, True):
+        xin = jax.device_put(jnp.asarray(np.ascontiguousarray(np.asarray(x).T)) if transposed else x, gpu)
+        got = jax.jit(lambda v, s: quantize_copies(v, q, usage, state=s, poison=True, transposed=transposed,
+                                                   cast_to=jnp.bfloat16))(xin, st)
+        assert compare(got, ref, f"bf16 input {q.label} {shape} transposed={transposed}") == []

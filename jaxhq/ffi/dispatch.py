@@ -51,7 +51,7 @@ def _side_state(q, state, axis):
 
 def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=None,
                     platform: Optional[str] = None, poison: bool = False, sides=None,
-                    transposed: bool = False) -> Optional[dict]:
+                    transposed: bool = False, cast_to=None) -> Optional[dict]:
     """{axis: Storage} for each axis in `usage` (rowwise [M, K], columnwise [K, M]) of x2d [M, K], bit-equal
     to `side(quantizer, axis).quantize_2d`, or None when the kernels do not apply here.
 
@@ -60,6 +60,10 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     copy of x2d is made first. Stochastic rounding then draws other numbers (each copy's stream is its side
     of the launch); the Hadamard-transformed amax is not taken this way, so with an RHT side x2d is transposed
     first and launched as usual.
+    cast_to: the copies are those of x2d.astype(cast_to). From float32 to bfloat16 the kernel rounds as it reads
+    (OPT_BF16_INPUT: no bf16 copy of x2d is written). Other casts, and launches that need a per-tensor amax
+    first (FP8 current scaling, NVFP4), cast in XLA: there the cast fusion takes the amax in the same pass, which
+    measured faster than an amax pass over the float32 x (docs/ffi.md).
 
     quantizer: a plain quantizer or a Hybrid (normalized); key: jax.random key (stochastic rounding);
     state: delayed-scaling state (per side for a Hybrid, as jaxhq.formats.init_state makes it);
@@ -72,6 +76,9 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     platform = platform or P.platform_of(x2d)
     if not P.has_kernel(platform):
         return None
+    bf16_in = cast_to is not None and x2d.dtype == jnp.float32 and jnp.dtype(cast_to) == jnp.bfloat16
+    if cast_to is not None and not bf16_in and jnp.dtype(cast_to) != x2d.dtype:
+        x2d = x2d.astype(cast_to)
     m, k = x2d.shape[::-1] if transposed else x2d.shape
     ids = {a: format_id(side(quantizer, a), a) if sides is None or a in sides else None for a in usage}
     if all(v is None for v in ids.values()):
@@ -85,9 +92,12 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     delayed = {a for a, v in ids.items() if v is not None and isinstance(side(quantizer, a), Float8DelayedScaling)}
     need_amax = any(v is not None and v[0] in (P.FP8_TENSOR, P.NVFP4) and a not in delayed for a, v in ids.items())
     need_rht = any(v is not None and v[0] == P.NVFP4 and v[1] & P.OPT_RHT for v in ids.values())
+    if bf16_in and amax is None and need_amax:  # XLA's cast carries the amax pass (its fusion or the amax kernel)
+        x2d, bf16_in = x2d.astype(jnp.bfloat16), False
     if need_rht and transposed:  # the amax kernel transforms columns of what it reads: give it the tensor
         return quantize_copies(x2d.T, quantizer, usage, key=key, state=state, amax=amax, platform=platform,
                                poison=poison, sides=sides)
+    x_ref = x2d.astype(jnp.bfloat16) if bf16_in else x2d  # what the copies are of (the reference sides, the amax)
     # On the "xla" amax path the amax is a jnp reduction that XLA fuses into the op producing x (x is not read
     # again). The kernel computes the scale from a NaN amax whatever its bits, so it takes the reduction's own
     # result (`raw`, no small kernel after the reduction); the Storage records the canonical NaN.
@@ -95,7 +105,7 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     if amax is not None:
         amax_plain = amax_rht = jnp.asarray(amax, jnp.float32)
     elif need_amax and not need_rht and quantize_paths()["amax"] == "xla":
-        raw = abs_max_f32(x2d)
+        raw = abs_max_f32(x_ref)
         amax_plain = canonical_nan(raw)
     elif need_amax:
         amax_plain, amax_rht = PT.amax(x2d, rht=need_rht)
@@ -141,6 +151,8 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     seed = P.seed_words(key_words, *x2d.shape)
     no = (P.NONE, 0)
     row, col = ids.get(launch[0]) or no, ids.get(launch[1]) or no
+    if bf16_in:  # both copies of the launch read x2d as bf16
+        row, col = ((f, o | P.OPT_BF16_INPUT) if f != P.NONE else (f, o) for f, o in (row, col))
     want_amax = bool(delayed) and amax_plain is None
     eps = eps or 0.0
     if poison:  # tests: the unpartitioned call that writes into poisoned buffers
@@ -163,7 +175,7 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
         v = ids[a]
         data, sc = made[a]
         if v is None:  # e.g. Identity: the reference makes this side
-            arr = x2d if (a == ROWWISE) != transposed else x2d.T
+            arr = x_ref if (a == ROWWISE) != transposed else x_ref.T
             sk = None if key is None else jax.random.fold_in(key, USAGES.index(a))
             out[a] = q.quantize_2d(arr, a, key=sk, state=_side_state(quantizer, state, a), amax=amax)
             continue

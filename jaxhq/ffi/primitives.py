@@ -6,7 +6,8 @@ Targets (one handler each on "cpu" and "CUDA"):
       -> (row_data, row_scale, col_data, col_scale, amax)          any rowwise format with any columnwise
                                                                     format, one read of x; amax [...] (or
                                                                     empty, not asked for) is max |x| of
-                                                                    that same read
+                                                                    that same read; OPT_BF16_INPUT on both
+                                                                    copies: float32 x read as x.astype(bf16)
   jaxhq_dequantize(data, scale, scalar[...]) -> float32[..., R, C]
 Formats and option bits are the enums of csrc/numerics.h (FORMAT_IDS, OPT_* here).
 """
@@ -21,7 +22,7 @@ import numpy as np
 from . import registered_targets
 
 NONE, FP8_TENSOR, MXFP8, NVFP4, FP8_BLOCK_1x128, FP8_BLOCK_128x128 = range(6)
-OPT_E5M2, OPT_POW2, OPT_BLOCK2D, OPT_RHT, OPT_SR, OPT_FROM_AMAX = 1, 2, 4, 8, 16, 32
+OPT_E5M2, OPT_POW2, OPT_BLOCK2D, OPT_RHT, OPT_SR, OPT_FROM_AMAX, OPT_BF16_INPUT = 1, 2, 4, 8, 16, 32, 64
 _EMPTY = jax.ShapeDtypeStruct((0,), jnp.uint8)
 
 

@@ -128,7 +128,7 @@ def _kernel_copies(x2d, q, usage, **kw) -> Optional[dict]:
 
 
 def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=None, amax=None,
-             transposed: bool = False) -> QTensor:
+             transposed: bool = False, cast_to=None) -> QTensor:
     """Quantize `x` (rank >= 2, leading dims flattened into rows) into the copies named by `usage`.
 
     key: jax.random key for stochastic rounding; state: delayed-scaling state (see `init_state`);
@@ -137,6 +137,8 @@ def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=
     weight: the kernel [in, out] makes the copies of its transpose without a transposed copy in between, so
     XLA can fuse the amax into the cast that produces it). The same copies as quantize(x.T), except that
     stochastic rounding draws other numbers on the kernel path.
+    cast_to: quantize x.astype(cast_to) (the dense op's float32 master weight in a bf16 model). The kernels read
+    float32 x and round each value to bf16 as they load it, so that cast is never written to memory.
     """
     if not isinstance(quantizer, Quantizer):
         raise TypeError(f"quantize needs a Quantizer, got {quantizer!r}")
@@ -146,17 +148,20 @@ def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=
     usage = normalize_usage(usage)
     q = normalize(quantizer)
     with jax.named_scope(QUANTIZE_SCOPE):  # profiles attribute these ops to quantization
-        return _quantize(x, q, usage, key, state, amax, transposed)
+        return _quantize(x, q, usage, key, state, amax, transposed,
+                         None if cast_to is None or jnp.dtype(cast_to) == x.dtype else jnp.dtype(cast_to))
 
 
 QUANTIZE_SCOPE = "jaxhq_quantize"
 STATE_SCOPE = "jaxhq_state"
 
 
-def _quantize(x, q, usage, key, state, amax, transposed=False) -> QTensor:
+def _quantize(x, q, usage, key, state, amax, transposed=False, cast_to=None) -> QTensor:
     x = jax.lax.stop_gradient(x)
     x2d = x.reshape(-1, x.shape[-1])
-    copies = _kernel_copies(x2d, q, usage, key=key, state=state, amax=amax, transposed=transposed)
+    copies = _kernel_copies(x2d, q, usage, key=key, state=state, amax=amax, transposed=transposed, cast_to=cast_to)
+    if cast_to is not None:  # the reference's input (unused, so not computed, when the kernels made the copies)
+        x, x2d = x.astype(cast_to), x2d.astype(cast_to)
     if transposed:
         x = x2d = x2d.T  # the reference (and the result's shape): the tensor itself
     if copies is not None:

@@ -65,3 +65,11 @@ def promote(dtype: Optional[object], *arrays):
     present = [a for a in arrays if a is not None]
     dt = jnp.dtype(dtype) if dtype is not None else jnp.result_type(*present)
     return tuple(None if a is None else jnp.asarray(a, dt) for a in arrays)
+
+
+def promote_dense(dtype: Optional[object], x, kernel, bias=None):
+    """`promote` for the dense op's arguments, except the kernel, which stays in its parameter dtype: the op
+    quantizes the weight from the master copy itself (no high-precision cast in between) and casts only the
+    copies a recipe keeps in high precision to x's dtype (see jaxhq.ops.dense)."""
+    x, _, bias = promote(dtype, x, kernel, bias)
+    return x, kernel, bias

@@ -18,7 +18,7 @@ from .. import ops
 from ..recipes import CustomRecipe
 from ..roles import QuantizerRole, dense_slots
 from . import introspect, state
-from .common import check_feature_shapes, make_norm, module_path, promote, quant_key
+from .common import check_feature_shapes, make_norm, module_path, promote_dense, quant_key
 
 default_kernel_init = nn.initializers.lecun_normal()
 
@@ -76,7 +76,7 @@ class Dense(nn.Module):
         if self.use_bias:
             bias = self.param("bias", nn.with_logical_partitioning(self.bias_init, self.kernel_axes[1:]),
                               (self.features,), self.param_dtype)
-        x, kernel, bias = promote(self.dtype, x, kernel, bias)
+        x, kernel, bias = promote_dense(self.dtype, x, kernel, bias)
         return quantized_dense(self, x, kernel, bias, recipe=self.recipe, path=module_path(self, module_type),
                                kernel_axes=self.kernel_axes, output_role=self.output_role,
                                grad_input_role=self.grad_input_role)
@@ -137,7 +137,7 @@ class DenseGeneral(nn.Module):
 
 def general_dense(m, x, kernel, bias, axes, feats, *, recipe, dtype, path, kernel_axes=None, **roles):
     """Contract x's `axes` with the kernel's leading dims; output batch dims (x's others, in order) + feats."""
-    x, kernel, bias = promote(dtype, x, kernel, bias)
+    x, kernel, bias = promote_dense(dtype, x, kernel, bias)
     batch = [a for a in range(x.ndim) if a not in axes]
     xt = jnp.transpose(x, batch + list(axes))
     bshape = xt.shape[:len(batch)]

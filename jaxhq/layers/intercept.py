@@ -18,14 +18,14 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from ..recipes import CustomRecipe, get
-from .common import module_path, promote
+from .common import module_path, promote_dense
 from .dense import general_dense, quantized_dense
 
 
 def _dense(m: nn.Dense, recipe, x):
     kernel = m.param("kernel", m.kernel_init, (x.shape[-1], m.features), m.param_dtype)
     bias = m.param("bias", m.bias_init, (m.features,), m.param_dtype) if m.use_bias else None
-    x, kernel, bias = promote(m.dtype, x, kernel, bias)
+    x, kernel, bias = promote_dense(m.dtype, x, kernel, bias)
     return quantized_dense(m, x, kernel, bias, recipe=recipe, path=module_path(m, "dense"))
 
 
@@ -81,7 +81,7 @@ def _einsum(m: nn.Einsum, recipe, x, next_fun, args, kwargs):
     if m.use_bias:
         shape, bshape = m._get_bias_shape(spec.replace(" ", ""), x, kernel)
         bias = m.param("bias", m.bias_init, shape, m.param_dtype)
-    x, kernel, bias = promote(m.dtype, x, kernel, bias)
+    x, kernel, bias = promote_dense(m.dtype, x, kernel, bias)
     xt = jnp.transpose(x, [lhs.index(c) for c in batch + contract])
     kt = jnp.transpose(kernel, [rhs.index(c) for c in contract + feats])
     bdims, fdims = xt.shape[:len(batch)], kt.shape[len(contract):]

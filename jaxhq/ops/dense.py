@@ -6,6 +6,10 @@ wgrad    dw = columnwise(x) . columnwise(dy)
 
 The kernel is in Flax layout [in, out]; it is quantized as w.T ([out, in]) so every GEMM operand is K-major, read
 in place (`quantize(kernel, transposed=True)`: no transposed copy of the kernel is made first).
+The kernel may be wider than x (the layers pass their float32 master weight): the weight's copies are those of
+`kernel.astype(x.dtype)`, and the quantize kernels round each value as they read it, so that cast is not written
+and read again (`quantize(..., cast_to=x.dtype)`). The weight's gradient comes out of the wgrad GEMM in x's dtype
+and is returned in the kernel's.
 The forward saves only the columnwise copies (never x or w in high precision unless their slot is Identity).
 Delayed-scaling state: the input and weight states are updated by the forward (returned), the grad_output
 state through the gradient: the cotangent returned for `states["grad_output"]` is its new value.
@@ -57,10 +61,10 @@ def _keys(key):
     return tuple(jax.random.fold_in(key, i) for i in range(3))
 
 
-def _quantize(t, qs: DenseQuantizers, slot: str, usage, key, state, transposed=False):
+def _quantize(t, qs: DenseQuantizers, slot: str, usage, key, state, transposed=False, cast_to=None):
     q = getattr(qs, slot)
     try:
-        return quantize(t, q, usage, key=key, state=state, transposed=transposed)
+        return quantize(t, q, usage, key=key, state=state, transposed=transposed, cast_to=cast_to)
     except (ValueError, TypeError) as e:
         raise type(e)(f"{slot} of {qs.role(slot) or 'dense'}: {e}") from None
 
@@ -76,7 +80,8 @@ def _forward(x, kernel, bias, states, key, qs: DenseQuantizers, usage_x, usage_w
     quantize_x = lambda usage: _quantize(x2d, qs, "input", usage, kx, states.get("input"))  # noqa: E731
     # sequence parallel: each device quantizes its tokens, the copies are all-gathered as quantized bytes
     qx = sp.quantize(quantize_x, qs.input, usage_x, gather_columnwise=False) if gathered else quantize_x(usage_x)
-    qw = _quantize(kernel, qs, "weight", usage_w, kw, states.get("weight"), transposed=True)  # copies of kernel.T
+    qw = _quantize(kernel, qs, "weight", usage_w, kw, states.get("weight"), transposed=True,  # copies of kernel.T
+                   cast_to=x.dtype)
     if wsh is not None:  # sharding hook: keep the quantized copies sharded like the kernel
         qw = wsh.shard(qw)
     w_fwd = qw.rowwise if wsh is None else wsh.gathered(qw.rowwise)  # all-gather of quantized bytes
@@ -139,7 +144,7 @@ def _dense_bwd(qs, wsh, sp, res, cts):
     x_col = saved_x.columnwise
     if sp is not None and sp.gathers("input"):
         x_col = sp.columnwise(x_col, qs.input)  # the residual, gathered
-    wgrad = functools.partial(gemm, out_dtype=k_dtype, name="wgrad", roles=(qs.role("input"), qs.role("grad_output")),
+    wgrad = functools.partial(gemm, out_dtype=x_dtype, name="wgrad", roles=(qs.role("input"), qs.role("grad_output")),
                               fallback=qs.allow_dequantized_fallback)
     if wsh is None:
         dw = wgrad(x_col, qdy.columnwise)
@@ -150,7 +155,7 @@ def _dense_bwd(qs, wsh, sp, res, cts):
     d_states = {k: jax.tree.map(jnp.zeros_like, v) for k, v in states_in.items()}
     if "grad_output" in d_states:
         d_states["grad_output"] = _new_state(qs, "grad_output", dy_state, qdy)
-    return dx.reshape(x_shape), dw, db, d_states, None
+    return dx.reshape(x_shape), dw.astype(k_dtype), db, d_states, None
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)

@@ -13,6 +13,7 @@ float load(const void* x, int32_t dtype, int64_t i) {
   switch (dtype) {
     case kBF16: return bf16_bits_to_f32(static_cast<const uint16_t*>(x)[i]);
     case kF16: return f16_bits_to_f32(static_cast<const uint16_t*>(x)[i]);
+    case kF32AsBF16: return bf16_bits_to_f32(f32_to_bf16_bits(static_cast<const float*>(x)[i]));
     default: return static_cast<const float*>(x)[i];
   }
 }
@@ -146,7 +147,7 @@ float copy_scalar(const QuantizeArgs& a, const CopySpec& s, int64_t b, int side)
 
 void quantize_cpu(const QuantizeArgs& a) {
   const int64_t M = a.m, K = a.k;
-  const int64_t esize = a.dtype == kF32 ? 4 : 2;
+  const int64_t esize = in_bytes(a.dtype);
   for (int64_t b = 0; b < a.batch; ++b) {
     const void* xb = static_cast<const uint8_t*>(a.x) + b * M * K * esize;
     const uint32_t* seed = a.seed + kSeedWords * b;
@@ -169,7 +170,7 @@ void quantize_cpu(const QuantizeArgs& a) {
 void amax_cpu(const void* x, int32_t dtype, int64_t batch, int64_t m, int64_t k, bool rht, float* amax,
               float* amax_rht) {
   for (int64_t b = 0; b < batch; ++b) {
-    const View v{static_cast<const uint8_t*>(x) + b * m * k * (dtype == kF32 ? 4 : 2), dtype, m, k, k, 1};
+    const View v{static_cast<const uint8_t*>(x) + b * m * k * in_bytes(dtype), dtype, m, k, k, 1};
     float a = 0.0f, ar = 0.0f;
     for (int64_t r = 0; r < m; ++r)
       for (int64_t c = 0; c < k; ++c) a = amax_acc(a, v(r, c));

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "numerics.h"
@@ -16,6 +17,23 @@ template <typename T> __device__ __forceinline__ float to_f32(T v);
 template <> __device__ __forceinline__ float to_f32<float>(float v) { return v; }
 template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
 template <> __device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
+
+// An input element as the kernel's value type: itself, or float32 rounded to bfloat16 (kF32AsBF16) with the
+// CPU handlers' rounding (numerics.h), so NaNs keep their sign there as here.
+template <typename T, typename In> __device__ __forceinline__ T as_value(In v) {
+  if constexpr (std::is_same_v<T, In>) {
+    return v;
+  } else {
+    static_assert(std::is_same_v<T, __nv_bfloat16> && std::is_same_v<In, float>, "float32 -> bfloat16 only");
+    __nv_bfloat16_raw r;
+    r.x = f32_to_bf16_bits(v);
+    return __nv_bfloat16(r);
+  }
+}
+// Two float32 values rounded to bfloat16, packed as a 16-bit load would hold them (the first in the low half).
+__device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
+  return uint32_t(f32_to_bf16_bits(lo)) | (uint32_t(f32_to_bf16_bits(hi)) << 16);
+}
 
 __device__ __forceinline__ float warp_nmax(float v) {
 #pragma unroll

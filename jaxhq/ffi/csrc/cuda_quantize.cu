@@ -49,21 +49,22 @@ __device__ __forceinline__ void load8(const T* __restrict__ x, int64_t m, int64_
   }
 }
 
-// The tile [r0, r0+128) x [c0, c0+128) of x into shared memory: each thread loads 16 bytes and stores them before
-// its next load (issuing all 8 loads first measured slower once the FP8 formats moved to the register-tile kernel).
-template <typename T>
-__device__ __forceinline__ void load_tile(const T* __restrict__ x, int64_t m, int64_t k, int64_t r0, int64_t c0,
+// The tile [r0, r0+128) x [c0, c0+128) of x into shared memory: each thread loads 16 bytes (32 for float) and
+// stores them before its next load (issuing all 8 loads first measured slower once the FP8 formats moved to the
+// register-tile kernel). In: x's type in memory; T: the tile's (In, or bfloat16 from float: kF32AsBF16).
+template <typename In, typename T>
+__device__ __forceinline__ void load_tile(const In* __restrict__ x, int64_t m, int64_t k, int64_t r0, int64_t c0,
                                           T* tile) {
   constexpr int kStride = Smem<T>::kStride;
-  const bool vec_ok = (k * sizeof(T)) % 16 == 0;
+  const bool vec_ok = (k * sizeof(In)) % 16 == 0;
   for (int idx = threadIdx.x; idx < kTile * kTile / 8; idx += kThreads) {
     const int r = idx / (kTile / 8), c = (idx % (kTile / 8)) * 8;
-    uint4 raw[sizeof(T) / 2];
-    load8<T>(x, m, k, r0 + r, c0 + c, vec_ok, raw);
-    T v[8];
+    uint4 raw[sizeof(In) / 2];
+    load8<In>(x, m, k, r0 + r, c0 + c, vec_ok, raw);
+    In v[8];
     memcpy(v, raw, sizeof(v));
 #pragma unroll
-    for (int i = 0; i < 8; ++i) tile[r * kStride + c + i] = v[i];
+    for (int i = 0; i < 8; ++i) tile[r * kStride + c + i] = as_value<T>(v[i]);
   }
 }
 
@@ -160,14 +161,14 @@ __device__ __forceinline__ void encode_tile_side(const Params& p, const Smem<T>&
 
 // kSR: a side rounds stochastically (its own instantiation, see nvfp4_codes). Five CTAs per SM (the shared
 // memory allows five for 16-bit inputs): 48 registers, no spills, for either instantiation.
-template <typename T, bool kSR>
+template <typename In, typename T, bool kSR>
 __global__ void __launch_bounds__(kThreads, 5) quantize_tile_kernel(Params p) {
   Smem<T>& sm = *dynamic_smem<Smem<T>>();
   const int64_t b = blockIdx.z;
   const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
   const float ts[2] = {copy_scalar(p, 0, b), copy_scalar(p, 1, b)};
   write_scale_inv(p, b, ts);
-  load_tile<T>(static_cast<const T*>(p.x) + b * p.m * p.k, p.m, p.k, r0, c0, sm.tile);
+  load_tile(static_cast<const In*>(p.x) + b * p.m * p.k, p.m, p.k, r0, c0, sm.tile);
   __syncthreads();
   if (p.amax) {  // max |x| of the tile (zeros outside x), reduced after the next barrier
     constexpr int kStride = Smem<T>::kStride;
@@ -220,13 +221,13 @@ int default_variant() {
   return v;
 }
 
-template <typename T>
+template <typename In, typename T = In>
 std::string launch_t(const Params& p, int64_t batch, cudaStream_t s) {
   dim3 grid(unsigned((p.k + kTile - 1) / kTile), unsigned((p.m + kTile - 1) / kTile), unsigned(batch));
   const bool sr = ((p.side[0].fmt == kNvfp4 && (p.side[0].opts & kStochastic)) ||
                    (p.side[1].fmt == kNvfp4 && (p.side[1].opts & kStochastic)));
-  if (sr) launch_kernel(quantize_tile_kernel<T, true>, grid, dim3(kThreads), sizeof(Smem<T>), s, p);
-  else launch_kernel(quantize_tile_kernel<T, false>, grid, dim3(kThreads), sizeof(Smem<T>), s, p);
+  if (sr) launch_kernel(quantize_tile_kernel<In, T, true>, grid, dim3(kThreads), sizeof(Smem<T>), s, p);
+  else launch_kernel(quantize_tile_kernel<In, T, false>, grid, dim3(kThreads), sizeof(Smem<T>), s, p);
   return cuda_status();
 }
 
@@ -245,6 +246,7 @@ std::string launch_quantize(const QuantizeArgs& a, void* stream, int variant) {
   switch (a.dtype) {
     case kBF16: return launch_t<__nv_bfloat16>(p, a.batch, s);
     case kF16: return launch_t<__half>(p, a.batch, s);
+    case kF32AsBF16: return launch_t<float, __nv_bfloat16>(p, a.batch, s);
     default: return launch_t<float>(p, a.batch, s);
   }
 }

@@ -1,5 +1,5 @@
-// The register-tile quantize kernel (QuantizeVariant kRegisterTile, the default) for bf16/fp16 inputs and the
-// FP8 formats (per-tensor, MXFP8, blockwise). A CTA of 256 threads covers a 128x128 tile of x. Each thread
+// The register-tile quantize kernel (QuantizeVariant kRegisterTile, the default) for bf16/fp16 inputs (float32 read
+// as bf16: kF32AsBF16) and the FP8 formats (per-tensor, MXFP8, blockwise). A CTA of 256 threads covers a 128x128 tile of x. Each thread
 // loads an 8x8 block of it with eight 16-byte loads issued together and keeps it in registers: its rowwise
 // copy is 8 rows of 8 values, its columnwise copy the same registers read the other way. No element of x
 // passes through shared memory. Block amaxes start as per-thread partials: the integer max of the 16-bit |x|
@@ -28,10 +28,38 @@ struct RegSmem {
   unsigned xamax[kThreads / 32];    // per-warp max |x| (the amax output)
 };
 
-// The 8x8 block of x at tile rows 8 rg.., columns 8 cg.. as 8 rows of 4 packed words, zero outside x.
-template <typename T>
-__device__ __forceinline__ void load_block(const T* __restrict__ x, int64_t m, int64_t k, int64_t r, int64_t c,
+// The 8x8 block of x at tile rows 8 rg.., columns 8 cg.. as 8 rows of 4 packed 16-bit words, zero outside x.
+// In = float: float32 x read as its bfloat16 roundings (kF32AsBF16), two 16-byte loads per row.
+template <typename In>
+__device__ __forceinline__ void load_block(const In* __restrict__ x, int64_t m, int64_t k, int64_t r, int64_t c,
                                            bool vec, uint32_t (&w)[8][4]) {
+  if constexpr (std::is_same_v<In, float>) {
+    if (vec) {
+      float4 q[8][2];
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) q[j][h] = __ldg(reinterpret_cast<const float4*>(x + (r + j) * k + c) + h);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          w[j][2 * h] = bf16_pair(q[j][h].x, q[j][h].y);
+          w[j][2 * h + 1] = bf16_pair(q[j][h].z, q[j][h].w);
+        }
+      return;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int64_t rr = r + j, c0 = c + 2 * i;
+        const float lo = (rr < m && c0 < k) ? x[rr * k + c0] : 0.0f;
+        const float hi = (rr < m && c0 + 1 < k) ? x[rr * k + c0 + 1] : 0.0f;
+        w[j][i] = bf16_pair(lo, hi);
+      }
+    return;
+  }
   if (vec) {
     uint4 q[8];
 #pragma unroll
@@ -98,18 +126,19 @@ __device__ __forceinline__ void encode_side(const Params& p, const RegSmem& sm, 
 // F0, F1: the rowwise and columnwise formats (kNone: that copy is not made), fixed per instantiation so that a
 // kernel holds only its formats' code (one kernel for every pair was 44k instructions, and warps waited on the
 // instruction cache).
-template <typename T, int F0, int F1>
+// In: x's type in memory (T, or float read as bfloat16: kF32AsBF16).
+template <typename In, typename T, int F0, int F1>
 __global__ void __launch_bounds__(kThreads) quantize_regs_kernel(Params p) {
   RegSmem& sm = *dynamic_smem<RegSmem>();
   const int64_t b = blockIdx.z;
   const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int rg = 4 * (warp & 3) + (lane >> 3), cg = 8 * (warp >> 2) + (lane & 7);
-  const T* x = static_cast<const T*>(p.x) + b * p.m * p.k;
+  const In* x = static_cast<const In*>(p.x) + b * p.m * p.k;
   const bool vec = r0 + kTile <= p.m && c0 + kTile <= p.k && p.k % 8 == 0;  // the same for the whole CTA
 
   uint32_t w[8][4];
-  load_block<T>(x, p.m, p.k, r0 + 8 * rg, c0 + 8 * cg, vec, w);
+  load_block<In>(x, p.m, p.k, r0 + 8 * rg, c0 + 8 * cg, vec, w);
   const float ts[2] = {copy_scalar(p, 0, b), copy_scalar(p, 1, b)};
   write_scale_inv(p, b, ts);
 
@@ -148,10 +177,10 @@ __global__ void __launch_bounds__(kThreads) quantize_regs_kernel(Params p) {
   encode_side<T, F1>(p, sm, 1, b, rg, cg, r0, c0, w, ts[1]);
 }
 
-template <typename T, int F0, int F1>
+template <typename In, typename T, int F0, int F1>
 std::string launch_pair(const Params& p, int64_t batch, cudaStream_t s) {
   dim3 grid(unsigned((p.k + kTile - 1) / kTile), unsigned((p.m + kTile - 1) / kTile), unsigned(batch));
-  launch_kernel(quantize_regs_kernel<T, F0, F1>, grid, dim3(kThreads), sizeof(RegSmem), s, p);
+  launch_kernel(quantize_regs_kernel<In, T, F0, F1>, grid, dim3(kThreads), sizeof(RegSmem), s, p);
   return cuda_status();
 }
 
@@ -169,26 +198,31 @@ std::string with_format(int f, Fn&& fn) {
 }
 
 // The instantiation for this call's (rowwise, columnwise) formats.
-template <typename T>
+template <typename In, typename T = In>
 std::string launch_t(const Params& p, int64_t batch, cudaStream_t s) {
   return with_format(p.side[0].fmt, [&](auto f0) {
     return with_format(p.side[1].fmt, [&](auto f1) {
-      return launch_pair<T, decltype(f0)::value, decltype(f1)::value>(p, batch, s);
+      return launch_pair<In, T, decltype(f0)::value, decltype(f1)::value>(p, batch, s);
     });
   });
 }
 
 }  // namespace
 
-// bf16/fp16 without an NVFP4 side. NVFP4 runs slower here than in the tile kernel (H100, 16384^2: 3.08 against
+// bf16/fp16 (or float32 read as bf16) without an NVFP4 side. NVFP4 runs slower here than in the tile kernel (H100, 16384^2: 3.08 against
 // 1.99 ms; twice the per-block scale work on 8-element chunks), and the RHT is not written here; FP8 per-tensor,
 // MXFP8 and FP8 blockwise run 1.3-1.6x faster (docs/ffi.md).
 bool register_tile_takes(const QuantizeArgs& a) {
-  return (a.dtype == kBF16 || a.dtype == kF16) && a.row.fmt != kNvfp4 && a.col.fmt != kNvfp4;
+  return (a.dtype == kBF16 || a.dtype == kF16 || a.dtype == kF32AsBF16) && a.row.fmt != kNvfp4 &&
+         a.col.fmt != kNvfp4;
 }
 
 std::string launch_register_tile(const Params& p, int32_t dtype, int64_t batch, cudaStream_t s) {
-  return dtype == kBF16 ? launch_t<__nv_bfloat16>(p, batch, s) : launch_t<__half>(p, batch, s);
+  switch (dtype) {
+    case kBF16: return launch_t<__nv_bfloat16>(p, batch, s);
+    case kF32AsBF16: return launch_t<float, __nv_bfloat16>(p, batch, s);
+    default: return launch_t<__half>(p, batch, s);
+  }
 }
 
 }  // namespace jaxhq

@@ -60,6 +60,13 @@ inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const ffi::Buffer<
   if (auto e = split_dims(x, &a->batch, &a->m, &a->k); e.failure()) return e;
   if (row_fmt < 0 || row_fmt > 5 || col_fmt < 0 || col_fmt > 5)
     return ffi::Error::InvalidArgument("jaxhq quantize: unknown format id");
+  const bool row_b = row_fmt && (row_opts & kBf16Input), col_b = col_fmt && (col_opts & kBf16Input);
+  if (row_b || col_b) {  // x is read as x.astype(bfloat16)
+    if (a->dtype != kF32 || (row_fmt && !row_b) || (col_fmt && !col_b))
+      return ffi::Error::InvalidArgument("jaxhq quantize: the bfloat16-input option needs float32 x and both "
+                                         "copies of the launch to ask for it");
+    a->dtype = kF32AsBF16;
+  }
   if ((col_fmt == kNvfp4 && (col_opts & kRHT) && a->m % 16) || (row_fmt == kNvfp4 && (row_opts & kRHT) && a->k % 16))
     return ffi::Error::InvalidArgument("jaxhq quantize: RHT needs the transformed axis to be a multiple of 16");
   const int64_t ns = int64_t(scales.element_count());

@@ -35,8 +35,13 @@ enum Option : int32_t {
   kRHT = 8,         // NVFP4: random Hadamard transform along the copy's last axis
   kStochastic = 16, // NVFP4: stochastic rounding
   kFromAmax = 32,   // FP8 per-tensor: the input scalar is the amax; the scale is tensor_scale of it
+  kBf16Input = 64,  // the copy is made from float32 x rounded to bfloat16 as it is read (x.astype(bfloat16)); the
+                    // two copies of a launch agree (the launch reads x once)
 };
-enum InDtype : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+// kF32AsBF16: float32 in memory, its values the bfloat16 roundings (kBf16Input), so the copies equal those of
+// x.astype(bfloat16) without that copy of x being written.
+enum InDtype : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2, kF32AsBF16 = 3 };
+JHQ_HD int64_t in_bytes(int32_t dtype) { return dtype == kF32 || dtype == kF32AsBF16 ? 4 : 2; }
 
 JHQ_HD uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 JHQ_HD float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -128,7 +133,7 @@ JHQ_HD float fp8_decode(uint8_t b, bool e5m2) {
 // x.astype(input dtype).astype(float32) for the MXFP8 scale computation (non-negative finite or NaN/Inf).
 JHQ_HD float round_to_dtype_sw(float a, int dtype) {
   if (dtype == kF32 || is_nan(a) || is_inf(a)) return a;
-  if (dtype == kBF16) return u2f((f2u(a) + 0x7FFFu + ((f2u(a) >> 16) & 1u)) & 0xFFFF0000u);
+  if (dtype == kBF16 || dtype == kF32AsBF16) return u2f((f2u(a) + 0x7FFFu + ((f2u(a) >> 16) & 1u)) & 0xFFFF0000u);
   if (a >= 65520.0f) return INFINITY;  // float16 overflow rounds to inf
   return round_small(a, 10, 15);
 }
