@@ -4,7 +4,8 @@ The stack: 2 blocks of (up projection, GELU, down projection, residual), bf16 ac
 Variants: Flax bf16 (`nn.Dense`), Flax FP8 (`nn.Dense(dot_general_cls=nn.Fp8DirectDotGeneralOp)`: delayed
 scaling, quantization left to XLA, which fuses the casts into the neighbouring ops) and jaxhq's `Dense` under
 each recipe. Timed: one jitted value-and-grad over the weights, the input and the scaling state, back to back,
-after 3 steps that bring the delayed-scaling states (Flax's and jaxhq's) to the scales training would use.
+after 3 steps that bring the delayed-scaling states (Flax's and jaxhq's) to the scales training would use;
+every variant of a shape is compiled first, then all are timed in turn for --rounds rounds (median per variant).
 
     python benchmarks/peer_fp8.py                      # on a GPU: both shapes of the issue
     python benchmarks/peer_fp8.py --shapes 1024x3584x4096 --recipes fp8_delayed,mxfp8
@@ -17,6 +18,7 @@ import sys
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import parser, print_table, time_back_to_back, write_json  # noqa: E402
@@ -78,13 +80,13 @@ def settle(fn, variables, x, steps: int = 3):
     return variables
 
 
-def run(variant: str, d: int, ff: int, tokens: int, reps: int) -> dict:
+def prepare(variant: str, d: int, ff: int, tokens: int):
+    """(step, variables, x) of one variant, compiled and settled."""
     x = jax.random.normal(jax.random.key(1), (tokens, d), jnp.bfloat16)
     model = Stack(ff, variant)
     fn = step_fn(model)
     variables = settle(fn, model.init({"params": jax.random.key(2), "quant": jax.random.key(3)}, x), x)
-    sec, _ = time_back_to_back(fn, variables, x, iters=10, reps=reps)
-    return {"variant": variant, "shape": f"{d}x{ff}x{tokens}", "ms": 1e3 * sec}
+    return fn, variables, x
 
 
 def main():
@@ -92,18 +94,25 @@ def main():
     p.add_argument("--shapes", default=SHAPES, help="d_model x d_ff x tokens, comma-separated")
     p.add_argument("--recipes", default=RECIPES)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3, help="timing rounds over the variants of a shape (median)")
     a = p.parse_args()
     shapes = "256x512x512" if a.quick else a.shapes
     rows = []
     for shape in shapes.split(","):
         d, ff, tokens = (int(v) for v in shape.split("x"))
-        base = None
-        for variant in ["flax_bf16", "flax_fp8"] + a.recipes.split(","):
-            r = run(variant, d, ff, tokens, a.reps)
-            base = base or r["ms"]
+        variants = ["flax_bf16", "flax_fp8"] + a.recipes.split(",")
+        ready = {v: prepare(v, d, ff, tokens) for v in variants}
+        ms = {v: [] for v in variants}
+        for _ in range(a.rounds):  # the variants in turn, round after round: drift hits all alike
+            for v in variants:
+                ms[v].append(1e3 * time_back_to_back(*ready[v], iters=10, reps=a.reps)[0])
+        base = float(np.median(ms["flax_bf16"]))
+        for v in variants:
+            r = {"variant": v, "shape": shape, "ms": float(np.median(ms[v])), "ms_rounds": ms[v]}
             r["vs_flax_bf16"] = r["ms"] / base
             rows.append(r)
-            print(f"  {shape} {variant}: {r['ms']:.3f} ms ({r['vs_flax_bf16']:.2f}x Flax bf16)", flush=True)
+            print(f"  {shape} {v}: {r['ms']:.3f} ms ({r['vs_flax_bf16']:.2f}x Flax bf16)", flush=True)
+        del ready
         flax_fp8 = next(r["ms"] for r in rows if r["shape"] == shape and r["variant"] == "flax_fp8")
         for r in rows:
             if r["shape"] == shape:

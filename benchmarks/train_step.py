@@ -8,6 +8,9 @@ temporaries + outputs - donated aliases); and where the time goes, from a profil
 itself (step_profile.py): quantization (with any producer XLA fused into it), GEMMs, attention, the rest, the
 idle gap, and kernels per step. --paths runs each quantized recipe with the quantization made by the FFI
 kernels or by XLA's fusion of the reference (JAXHQ_QUANTIZE_PATH), to choose the default per format.
+--rounds R > 1 times every recipe R - 1 times more after all have run, in turn (a fresh state each time), so
+clock and power drift during the run hits all recipes alike: step_ms is then the median over the rounds and
+vs_bf16 the median of each round's ratio.
 
     python benchmarks/train_step.py                    # on a GPU, the H100 preset: d 4096, FFN 14336 gated, 32 heads, seq 4096
     python benchmarks/train_step.py --preset quick     # a smaller stack for a quick look
@@ -73,10 +76,12 @@ def run_recipe(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int,
     JAXHQ_QUANTIZE_PATH value ("default": as the library chooses), set while the step is traced."""
     jax.clear_caches()
     with environ({} if path == "default" else {"JAXHQ_QUANTIZE_PATH": path}):
-        return _run(name, cfg, batch, steps, warmup, split) | {"path": path}
+        row, window = _run(name, cfg, batch, steps, warmup, split)
+        return row | {"path": path}, window
 
 
-def _run(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split: bool) -> dict:
+def _run(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split: bool):
+    """(row, window): window() times `steps` more steps from a fresh state (the later rounds)."""
     recipe = S.named_recipe(name)
     model = M.GPT(cfg, recipe)
     tx = S.make_optimizer(1e-4, 1000, 10)
@@ -95,6 +100,19 @@ def _run(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split
     for _ in range(warmup):
         state, m = compiled(state, batch_d)
         jax.block_until_ready(m)
+    timed = compiled
+
+    def window() -> float:
+        st = S.create(model, tx)
+        for _ in range(warmup):
+            st, out = timed(st, batch_d)
+        jax.block_until_ready(out)
+        t = time.perf_counter()
+        for _ in range(steps):
+            st, out = timed(st, batch_d)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t) / steps
+
     # step_ms: steps dispatched back to back, as the training loop runs them (the host queues the next step
     # while the device runs this one; jaxhq.train reads the loss every 10 steps), median of 3 such windows.
     # step_sync_ms: each step waited for, so the host's dispatch time adds to every step.
@@ -135,7 +153,7 @@ def _run(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split
         for c in CATEGORIES:
             if f"{c}_ms" in prof:
                 row[f"{c}_share"] = prof[f"{c}_ms"] / (1e3 * step_s)
-    return row
+    return row, window
 
 
 def main():
@@ -151,6 +169,7 @@ def main():
                    help="JAXHQ_QUANTIZE_PATH values to run each quantized recipe under, ';'-separated "
                         "(e.g. 'default;all=xla;all=kernel')")
     p.add_argument("--budget-s", type=float, default=None, help="start no new recipe after this many seconds")
+    p.add_argument("--rounds", type=int, default=1, help="timing rounds over all recipes (see above)")
     a = p.parse_args()
     preset = "quick" if a.quick else a.preset or ("cpu" if jax.default_backend() == "cpu" else "h100")
     cfg, batch = PRESETS[preset]
@@ -158,24 +177,34 @@ def main():
     batch = a.batch or batch
     print(f"model: {cfg.num_layers} layers, d {cfg.d_model}, FFN {cfg.d_ff} ({cfg.activation}), {cfg.num_heads} heads, "
           f"seq {cfg.seq_len}, batch {batch}, {cfg.num_params() / 1e9:.2f} B params; {jax.devices()[0].device_kind}")
-    rows, t_start, skipped = [], time.perf_counter(), []
+    rows, windows, t_start, skipped = [], [], time.perf_counter(), []
     runs = [(n, p) for n in a.recipes.split(",") for p in (["default"] if n == "bf16" else a.paths.split(";"))]
     for name, path in runs:
         if a.budget_s is not None and time.perf_counter() - t_start > a.budget_s:
             skipped.append(f"{name} ({path})")
             continue
-        r = run_recipe(name, cfg, batch, a.steps, a.warmup, not a.no_split, path)
+        r, window = run_recipe(name, cfg, batch, a.steps, a.warmup, not a.no_split, path)
+        r["step_ms_rounds"] = [r["step_ms"]]
         rows.append(r)
+        windows.append(window)
         shares = "  ".join(f"{c} {r[c + '_ms']:.2f}" for c in CATEGORIES if c + "_ms" in r)
         print(f"  {name} [{path}]: {r['step_ms']:.2f} ms  ({shares}; idle {r.get('idle_ms', 0):.2f}; "
               f"kernels/step {r.get('kernels_per_step')}) {r.get('profile_error', '')}", flush=True)
         print(f"    top ops: {r.get('top_ops')}", flush=True)
         print("    kernels by origin: " + ", ".join(f"{c}/{o} {n:g}" for c, o, n in r.get("kernels_by_origin", [])),
               flush=True)
+    for i in range(1, a.rounds):  # every recipe again, in turn
+        for r, window in zip(rows, windows):
+            r["step_ms_rounds"].append(1e3 * window())
+        print(f"  round {i}: " + "  ".join(f"{r['recipe']} {r['step_ms_rounds'][-1]:.2f}" for r in rows), flush=True)
     base = next((r for r in rows if r["recipe"] == "bf16"), None)
     for r in rows:
+        r["step_ms"] = float(np.median(r["step_ms_rounds"]))
+        r["tokens_per_s"] = batch * cfg.seq_len / (r["step_ms"] / 1e3)
+        if r.get("mfu") is not None:
+            r["mfu"] = step_flops(cfg, batch) / (r["step_ms"] / 1e3) / peak_flops()
         if base:
-            r["vs_bf16"] = r["step_ms"] / base["step_ms"]
+            r["vs_bf16"] = float(np.median([t / b for t, b in zip(r["step_ms_rounds"], base["step_ms_rounds"])]))
             r["sync_vs_bf16"] = r["step_sync_ms"] / base["step_sync_ms"]
             if r["memory_gib"] and base["memory_gib"]:
                 r["memory_vs_bf16"] = r["memory_gib"] / base["memory_gib"]

@@ -9,6 +9,7 @@
 #          "quick": train_step.py --preset quick, QUICK_ARGS; "fsdp": benchmarks/fsdp.py --gpu over all local
 #          GPUs, FSDP_ARGS):
 #          train_step.py (every recipe against bf16; TRAIN_ARGS adds options, e.g. --paths), peer_fp8.py,
+#          (train, quick and gemm time their variants in ROUNDS alternating rounds, default 3)
 #          gemm.py (GEMM_ARGS) and quantize.py once per kernel variant in VARIANTS (default: the default one)
 set -uo pipefail
 MODE=${1:-tests}
@@ -78,16 +79,19 @@ else
   for b in ${BENCH:-train peer gemm quantize}; do
     case $b in
       train) log "train_step ${TRAIN_ARGS:-}"
-        timeout ${TRAIN_TIMEOUT:-420} $PY benchmarks/train_step.py --budget-s ${TRAIN_BUDGET:-300} --steps 10 \
-          ${TRAIN_ARGS:-} --out "$OUTDIR/train_step.json" 2>&1 | tee "$OUTDIR/train_step.log" | grep -v "top ops" | tail -22 ;;
+        timeout ${TRAIN_TIMEOUT:-480} $PY benchmarks/train_step.py --budget-s ${TRAIN_BUDGET:-300} --steps 10 \
+          --rounds ${ROUNDS:-3} ${TRAIN_ARGS:-} --out "$OUTDIR/train_step.json" 2>&1 | tee "$OUTDIR/train_step.log" \
+          | grep -v "top ops\|kernels by origin" | tail -22 ;;
       quick) log "train_step --preset quick ${QUICK_ARGS:-}"
-        timeout ${QUICK_TIMEOUT:-200} $PY benchmarks/train_step.py --preset quick --steps 10 ${QUICK_ARGS:-} \
-          --out "$OUTDIR/train_step_quick.json" 2>&1 | tee "$OUTDIR/train_step_quick.log" | grep -v "top ops" | tail -22 ;;
+        timeout ${QUICK_TIMEOUT:-200} $PY benchmarks/train_step.py --preset quick --steps 10 --rounds ${ROUNDS:-3} \
+          ${QUICK_ARGS:-} --out "$OUTDIR/train_step_quick.json" 2>&1 | tee "$OUTDIR/train_step_quick.log" \
+          | grep -v "top ops\|kernels by origin" | tail -22 ;;
       peer) log "peer_fp8"
         timeout ${PEER_TIMEOUT:-260} $PY benchmarks/peer_fp8.py ${PEER_ARGS:-} --out "$OUTDIR/peer_fp8.json" 2>&1 | tail -18 ;;
       fsdp) fsdp_bench ;;  # sharded steps (FSDP, TP, SP) over all local GPUs
       gemm) log "gemm"
-        timeout ${GEMM_TIMEOUT:-300} $PY benchmarks/gemm.py ${GEMM_ARGS:-} --out "$OUTDIR/gemm.json" 2>&1 | tail -24 ;;
+        timeout ${GEMM_TIMEOUT:-420} $PY benchmarks/gemm.py --rounds ${ROUNDS:-3} ${GEMM_ARGS:-} --out "$OUTDIR/gemm.json" \
+          2>&1 | grep -v "compiled in" | tail -24 ;;
       quantize) for variant in ${VARIANTS:-default}; do
           log "quantize ($variant)"
           [ "$variant" = default ] && unset JAXHQ_QUANTIZE_VARIANT || export JAXHQ_QUANTIZE_VARIANT=$variant

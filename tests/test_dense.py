@@ -121,8 +121,8 @@ def test_float32_master_kernel_equals_its_bf16_cast(name, kernels, monkeypatch):
     cast to bf16 first, bit for bit (both sides quantize the same bf16 values; on the kernels, JAXHQ_KERNELS=all,
     the quantize kernel rounds the float32 as it reads it), and dw comes back in float32: the bf16 GEMM output
     cast, or where XLA drops that cast pair (its default excess precision: the plain dot of the bf16 recipe) the
-    GEMM's float32 result, which rounds to it. On the kernels, where no per-tensor amax comes first, the weight's launch reads the float32 kernel:
-    no bf16 copy of it is written."""
+    GEMM's float32 result, which rounds to it. On the kernels, where no per-tensor amax comes first, the weight's
+    launch reads the float32 kernel: no bf16 copy of it is written."""
     monkeypatch.setenv("JAXHQ_KERNELS", kernels)
     qs = CASES[name] if name in CASES else recipes.get(name).dense_quantizers("m")
     x, w, b, g = rand(30, (M, K), jnp.bfloat16), rand(31, (K, N)) * 0.1, rand(32, (N,), jnp.bfloat16), \

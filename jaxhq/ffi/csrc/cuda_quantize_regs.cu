@@ -1,7 +1,8 @@
-// The register-tile quantize kernel (QuantizeVariant kRegisterTile, the default) for bf16/fp16 inputs (float32 read
-// as bf16: kF32AsBF16) and the FP8 formats (per-tensor, MXFP8, blockwise). A CTA of 256 threads covers a 128x128 tile of x. Each thread
-// loads an 8x8 block of it with eight 16-byte loads issued together and keeps it in registers: its rowwise
-// copy is 8 rows of 8 values, its columnwise copy the same registers read the other way. No element of x
+// The register-tile quantize kernel (QuantizeVariant kRegisterTile, the default) for bf16/fp16 inputs (and
+// float32 read as bf16: kF32AsBF16) and the FP8 formats (per-tensor, MXFP8, blockwise). A CTA of 256 threads
+// covers a 128x128 tile of x. Each thread loads an 8x8 block of it with eight 16-byte loads issued together
+// (sixteen for float) and keeps it in registers as 16-bit values: its rowwise copy is 8 rows of 8 values, its
+// columnwise copy the same registers read the other way. No element of x
 // passes through shared memory. Block amaxes start as per-thread partials: the integer max of the 16-bit |x|
 // patterns, which orders as the values do, with NaN patterns above inf. They meet in 17 KB of shared memory.
 // Numerics: encode_chunk (cuda_quantize.cuh), shared with the tile kernel.
@@ -209,9 +210,9 @@ std::string launch_t(const Params& p, int64_t batch, cudaStream_t s) {
 
 }  // namespace
 
-// bf16/fp16 (or float32 read as bf16) without an NVFP4 side. NVFP4 runs slower here than in the tile kernel (H100, 16384^2: 3.08 against
-// 1.99 ms; twice the per-block scale work on 8-element chunks), and the RHT is not written here; FP8 per-tensor,
-// MXFP8 and FP8 blockwise run 1.3-1.6x faster (docs/ffi.md).
+// bf16/fp16 (or float32 read as bf16) without an NVFP4 side. NVFP4 runs slower here than in the tile kernel
+// (H100, 16384^2: 3.08 against 1.99 ms; twice the per-block scale work on 8-element chunks), and the RHT is not
+// written here; FP8 per-tensor, MXFP8 and FP8 blockwise run 1.3-1.6x faster (docs/ffi.md).
 bool register_tile_takes(const QuantizeArgs& a) {
   return (a.dtype == kBF16 || a.dtype == kF16 || a.dtype == kF32AsBF16) && a.row.fmt != kNvfp4 &&
          a.col.fmt != kNvfp4;
