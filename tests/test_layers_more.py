@@ -49,6 +49,48 @@ def test_moe_matches_hand_built_ops(fixed_quant_key):
     _compare_jit(layer, hand, p, x)
 
 
+@pytest.mark.parametrize("name", ["fp8_block", "mxfp8", "fp8_delayed"])
+def test_grouped_dense_quantizes_the_float32_master_kernel_as_its_cast(name, monkeypatch):
+    """GroupedDense in bf16 hands the op its float32 kernel (the quantize kernels round it as they read it,
+    JAXHQ_KERNELS=all): output and input gradient equal the op on the kernel cast to bf16 first, bit for bit;
+    the kernel's gradient comes back in float32 (the bf16 GEMM output, cast); the delayed-scaling state advances
+    from the cast's amax, as before."""
+    from jaxhq.layers import GroupedDense
+    monkeypatch.setenv("JAXHQ_KERNELS", "all")
+    rec = recipes.get(name)
+    x, sizes = rand(5, (24, 32)).astype(jnp.bfloat16), jnp.asarray([8, 0, 16], jnp.int32)
+    mod = GroupedDense(64, 3, rec, dtype=jnp.bfloat16, name="gd")
+    v = unbox(jax.jit(lambda x: mod.init(jax.random.key(2), x, sizes))(x))
+    kernel = v["params"]["kernel"]
+    assert kernel.dtype == jnp.float32
+    qss = [rec.dense_quantizers(mod.group_path(g), "grouped_linear") for g in range(3)]
+    states = [v["quant_state"][f"experts_{g}"] for g in range(3)] if "quant_state" in v else None
+
+    def layer(k, x):
+        y, upd = mod.apply({**v, "params": {"kernel": k}}, x, sizes, mutable=["quant_state"])
+        return jnp.sum(jnp.sin(y.astype(jnp.float32))), upd
+
+    def hand(k, x):
+        y = ops.grouped_dense(x, k.astype(jnp.bfloat16), sizes, quantizers=qss, states=states)
+        return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+
+    from jaxhq.ffi import primitives as P
+    launches, orig = [], P.quantize
+    monkeypatch.setattr(P, "quantize",
+                        lambda t, *a, **kw: launches.append((t.shape[-2:], t.dtype)) or orig(t, *a, **kw))
+    (la, upd), (dka, dxa) = jax.jit(jax.value_and_grad(layer, argnums=(0, 1), has_aux=True))(kernel, x)
+    assert ((32, 64), jnp.float32) in launches, launches  # the weights' launch reads the float32 kernel
+    lb, (dkb, dxb) = jax.jit(jax.value_and_grad(hand, argnums=(0, 1)))(kernel, x)
+    assert dka.dtype == jnp.float32
+    for a, b in ((la, lb), (dxa, dxb), (dka, dkb)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    if states is not None:  # the weight's next amax history entry: the bf16 kernel's amax
+        for g in range(3):
+            got = upd["quant_state"][f"experts_{g}"]["weight"]["amax_history"]
+            want = jnp.max(jnp.abs(kernel[g].astype(jnp.bfloat16))).astype(jnp.float32)
+            assert float(got.reshape(-1)[0]) == float(want), (g, got)
+
+
 def test_moe_bf16_matches_float64_per_token_experts():
     rec = recipes.bf16()
     x = rand(3, (10, 16))

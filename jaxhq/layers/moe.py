@@ -74,7 +74,7 @@ class GroupedDense(nn.Module):
         kernel = self.param("kernel", nn.with_logical_partitioning(
             lambda rng, shape, dtype: init(jax.random.split(rng, shape[0])).astype(dtype), self.kernel_axes),
             (self.num_groups, x.shape[-1], self.features), self.param_dtype)
-        x, kernel = promote(self.dtype, x, kernel)
+        x, _ = promote(self.dtype, x, kernel)  # the kernel stays in its param dtype (layers.common.promote_dense)
         qss, svars = [], {}
         for g in range(self.num_groups):
             path = self.group_path(g)
@@ -90,7 +90,7 @@ class GroupedDense(nn.Module):
                               expert_sharding=_expert_sharding(self.kernel_axes, self.group_path(0)),
                               dispatch=dispatch, capacity=capacity)
         if svars and not self.is_initializing() and self.is_mutable_collection(QUANT_STATE):
-            self._advance_forward_states(x, kernel, group_sizes, qss, svars)
+            self._advance_forward_states(x, kernel.astype(x.dtype), group_sizes, qss, svars)
         return y
 
     def _advance_forward_states(self, x, kernel, group_sizes, qss, svars):
