@@ -137,8 +137,9 @@ def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=
     weight: the kernel [in, out] makes the copies of its transpose without a transposed copy in between, so
     XLA can fuse the amax into the cast that produces it). The same copies as quantize(x.T), except that
     stochastic rounding draws other numbers on the kernel path.
-    cast_to: quantize x.astype(cast_to) (the dense op's float32 master weight in a bf16 model). The kernels read
-    float32 x and round each value to bf16 as they load it, so that cast is never written to memory.
+    cast_to: quantize x.astype(cast_to) (the dense op's float32 master weight in a bf16 model). From float32 to
+    bfloat16 the kernels round each value as they load it, so that cast is never written to memory, except where
+    a per-tensor amax is taken first (FP8 current scaling, NVFP4): XLA's cast then carries the amax pass.
     """
     if not isinstance(quantizer, Quantizer):
         raise TypeError(f"quantize needs a Quantizer, got {quantizer!r}")

@@ -68,8 +68,8 @@ def promote(dtype: Optional[object], *arrays):
 
 
 def promote_dense(dtype: Optional[object], x, kernel, bias=None):
-    """`promote` for the dense op's arguments, except the kernel, which stays in its parameter dtype: the op
-    quantizes the weight from the master copy itself (no high-precision cast in between) and casts only the
-    copies a recipe keeps in high precision to x's dtype (see jaxhq.ops.dense)."""
+    """`promote` for the dense op's arguments, except the kernel, which stays in its parameter dtype: the op makes
+    the weight's copies of kernel.astype(x.dtype), and the quantize kernels round the master values as they read
+    them, so that cast is not written to memory (see jaxhq.ops.dense)."""
     x, _, bias = promote(dtype, x, kernel, bias)
     return x, kernel, bias
