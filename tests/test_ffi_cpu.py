@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxhq.ffi as jffi
-from jaxhq.formats import NVFP4, Float8CurrentScaling, Hybrid
+from jaxhq.formats import NVFP4, Float8Block, Float8CurrentScaling, Hybrid
 from jaxhq.formats.hybrid import side
 
 pytestmark = pytest.mark.skipif(not jffi.available("cpu"), reason="jaxhq FFI extension not built")
@@ -230,3 +230,37 @@ def test_rht_shape_error_before_the_kernel():
     x = random_input(jax.random.key(9), (33, 50), jnp.bfloat16)
     with pytest.raises(QuantizationError, match=r"nvfp4_rht.*multiple of 16.*\[50, 33\]"):
         quantize_copies(x, NVFP4(rht=True), platform="cpu")
+
+
+def test_delayed_scaling_state_from_a_tiny_amax_is_finite():
+    """The delayed-scaling update caps its next scale as current scaling does (a tiny amax history gave inf)."""
+    from jaxhq.formats import Float8DelayedScaling, init_state
+    q = Float8DelayedScaling()
+    st = q.update_state(init_state(q), jnp.float32(1e-37))
+    assert float(st["scale"]) == 2.0 ** 126
+    x = jnp.full((4, 128), 1e-37, jnp.float32)
+    y = q.quantize_2d(x, state=st).dequantize()
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=2 ** -4)
+
+
+@pytest.mark.parametrize("q", [Float8Block(), Float8Block((128, 128)), Float8Block(power_2_scale=False),
+                               Float8CurrentScaling()], ids=lambda q: q.label)
+def test_tiny_amax_quantizes_to_finite_values(q):
+    """A block (or tensor) of tiny normal values (gradients near 1e-37 meet it in training) overflowed its scale
+    448 / amax to inf, and 0 * inf made NaNs (or, just above, scale_inv was a float32 subnormal that flushes to
+    0). The scale is capped at 2^126: the copies dequantize to the values within E4M3's rounding (3 mantissa
+    bits; E4M3 subnormals below 2^-6 of the block's top, so an absolute floor of 2^-9 * 2^-126), and the kernel
+    equals the reference bit for bit, outputs poisoned first."""
+    from jaxhq.ffi.dispatch import quantize_copies
+    k1, k2 = jax.random.split(jax.random.key(next(_seed)))
+    mag = jax.random.uniform(k1, (128, 256), jnp.float32, 0.05, 1.0) * 1e-37  # normal floats, amax < 448 / FLT_MAX
+    x = jnp.where(jax.random.bernoulli(k2, 0.5, (128, 256)), mag, -mag)
+    if isinstance(q, Float8Block):  # blocks of ordinary values beside the tiny ones
+        x = x.at[:, 128:].multiply(1e37).at[0, 0].set(0.0)
+    ref = reference_copies(x, q, ("rowwise", "columnwise"))
+    got = quantize_copies(x, q, ("rowwise", "columnwise"), platform="cpu", poison=True)
+    assert compare(got, ref, f"tiny {q.label}") == []
+    for axis, want in (("rowwise", x), ("columnwise", x.T)):
+        y = np.asarray(ref[axis].dequantize(), np.float64)
+        assert np.isfinite(y).all(), axis
+        np.testing.assert_allclose(y, np.asarray(want, np.float64), rtol=2 ** -4, atol=2.0 ** -135)

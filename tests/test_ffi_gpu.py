@@ -23,6 +23,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpus(), reason="no GPU")]
 from test_ffi_checks import (DELAYED, HYBRID, SHAPES, SINGLE, applicable, compare, random_input,  # noqa: E402
                         reference_copies, state_for)
 
+from jaxhq.formats import Float8Block, Float8CurrentScaling  # noqa: E402
+
 _seed = itertools.count(5000)
 GPU_SHAPES = SHAPES + [(1024, 2048), (640, 4096 + 16), (2049, 384)]
 SHAPES_PER_QUANTIZER = 3  # rotating through GPU_SHAPES: every shape is met, each quantizer on 3 of them
@@ -172,3 +174,23 @@ def test_cuda_bf16_input_launch(q):
         got = jax.jit(lambda v, s: quantize_copies(v, q, usage, state=s, poison=True, transposed=transposed,
                                                    cast_to=jnp.bfloat16))(xin, st)
         assert compare(got, ref, f"bf16 input {q.label} {shape} transposed={transposed}") == []
+
+
+@pytest.mark.parametrize("q", [Float8Block(), Float8Block((128, 128)), Float8CurrentScaling()], ids=lambda q: q.label)
+def test_cuda_tiny_amax_is_finite_and_equals_reference(q):
+    """Blocks (or a tensor) of tiny normal values, whose scale 448 / amax overflowed to inf (NaN copies): the CUDA
+    kernels cap it at 2^126 as the reference does, bit for bit, outputs poisoned first; the copies are finite."""
+    from jaxhq.ffi.dispatch import quantize_copies
+    k1, k2 = jax.random.split(jax.random.key(next(_seed)))
+    mag = jax.random.uniform(k1, (256, 384), jnp.float32, 0.05, 1.0) * 1e-37
+    x = jnp.where(jax.random.bernoulli(k2, 0.5, mag.shape), mag, -mag)
+    if isinstance(q, Float8Block):
+        x = x.at[:, 256:].multiply(1e37)
+    usage = ("rowwise", "columnwise")
+    for dt in (jnp.bfloat16, jnp.float32):
+        xin = jax.device_put(x.astype(dt), _gpus()[0])
+        got = jax.jit(lambda v: quantize_copies(v, q, usage, poison=True))(xin)
+        ref = reference_copies(xin, q, usage)
+        assert compare(got, ref, f"tiny {q.label} {jnp.dtype(dt).name}") == []
+        for a in usage:
+            assert bool(jnp.isfinite(ref[a].dequantize()).all()), (q.label, a)

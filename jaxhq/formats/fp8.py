@@ -1,8 +1,8 @@
 """FP8 per-tensor formats: current scaling (scale from this tensor's amax) and delayed scaling (from a history).
 
-scale = fmt_max / max(amax, eps) (1.0 when that is 0), optionally rounded down to a power of 2; data is the
-saturating round-to-nearest-even cast of x * scale; scale_inv = 1 / scale. A NaN or Inf in the input makes the
-amax non-finite, which makes every dequantized value NaN: nothing is silently clipped to a finite value.
+scale = fmt_max / max(amax, eps) (1.0 when that is 0, at most MAX_SCALE = 2^126), optionally rounded down to a
+power of 2; data is the saturating round-to-nearest-even cast of x * scale; scale_inv = 1 / scale. A NaN or Inf in
+the input makes the amax non-finite, which makes every dequantized value NaN: nothing is silently clipped to a finite value.
 """
 from __future__ import annotations
 
@@ -18,9 +18,16 @@ def tensor_amax(x2d):
     return abs_max(x2d).astype(jnp.float32)
 
 
+# The largest scale: a tiny amax (a block of gradients near 1e-37) made fmt_max / amax overflow to inf, and
+# 0 * inf = NaN, or scale_inv a float32 subnormal that flushes to 0. Capped, scale_inv stays a normal float and
+# x * scale stays below fmt_max.
+MAX_SCALE = 2.0 ** 126
+
+
 def scale_from_amax(amax, fmt: str, eps: float = 0.0, power_2: bool = False):
     a = jnp.maximum(amax, jnp.float32(eps))
     scale = jnp.where(a == 0, jnp.float32(1.0), jnp.float32(FP8_MAX[fmt]) / a)
+    scale = jnp.where(scale > jnp.float32(MAX_SCALE), jnp.float32(MAX_SCALE), scale)
     # amax = NaN/Inf: scale NaN/0, so the dequantized tensor is NaN rather than finite garbage.
     scale = jnp.where(jnp.isnan(amax), jnp.float32(jnp.nan), scale)
     if power_2:
@@ -115,6 +122,7 @@ class Float8DelayedScaling(_PerTensor):
             reduced = jnp.maximum(amax, jnp.max(old[:-1])) if old.shape[0] > 1 else amax
         else:
             reduced = amax
-        new = jnp.float32(FP8_MAX[self.fmt]) / reduced / jnp.float32(2.0 ** self.margin)
+        new = jnp.minimum(jnp.float32(FP8_MAX[self.fmt]) / reduced / jnp.float32(2.0 ** self.margin),
+                          jnp.float32(MAX_SCALE))
         ok = (reduced > 0) & jnp.isfinite(reduced)
         return {"amax_history": hist, "scale": jnp.where(ok, new, state["scale"]).astype(jnp.float32)}

@@ -1,7 +1,7 @@
 """FP8 blockwise (DeepSeek-V3 style): E4M3 elements, an fp32 scale per 1x128 block or 128x128 tile.
 
-Per block: scale = 448 / amax (1 when amax is 0), optionally rounded down to a power of 2; data is the
-saturating cast of x * scale; scale_inv = 1 / scale is stored, [rows, ceil(cols/128)] for 1x128 and
+Per block: scale = 448 / amax (1 when amax is 0, at most 2^126), optionally rounded down to a power of 2; data is
+the saturating cast of x * scale; scale_inv = 1 / scale is stored, [rows, ceil(cols/128)] for 1x128 and
 [ceil(rows/128), ceil(cols/128)] for 128x128. Partial blocks are zero-padded inside. With 128x128 tiles the
 columnwise copy is the exact transpose of the rowwise one.
 """

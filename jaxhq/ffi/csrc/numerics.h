@@ -160,11 +160,12 @@ JHQ_HD float e8m0_to_f32(uint8_t e) {
 // casts.pow2_floor
 JHQ_HD float pow2_floor(float x) { return u2f(f2u(x) & 0xFF800000u); }
 
-// fp8.scale_from_amax: fmt_max / max(amax, eps) (1 when that is 0; NaN for a NaN amax), optionally rounded
-// down to a power of 2.
+// fp8.scale_from_amax: fmt_max / max(amax, eps) (1 when that is 0; at most 2^126, so that scale_inv stays a
+// normal float; NaN for a NaN amax), optionally rounded down to a power of 2.
 JHQ_HD float tensor_scale(float amax, float fmt_max, float eps, bool pow2) {
   float a = nmax(amax, eps);
   float s = (a == 0.0f) ? 1.0f : div_ref(fmt_max, a);
+  if (s > 8.50705917e37f) s = 8.50705917e37f;  // 2^126
   if (is_nan(amax)) s = NAN;
   if (pow2 && !is_nan(s) && !is_inf(s) && s > 0.0f) s = pow2_floor(s);
   return s;
