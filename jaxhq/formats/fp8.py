@@ -1,8 +1,9 @@
 """FP8 per-tensor formats: current scaling (scale from this tensor's amax) and delayed scaling (from a history).
 
 scale = fmt_max / max(amax, eps) (1.0 when that is 0, at most MAX_SCALE = 2^126), optionally rounded down to a
-power of 2; data is the saturating round-to-nearest-even cast of x * scale; scale_inv = 1 / scale. A NaN or Inf in
-the input makes the amax non-finite, which makes every dequantized value NaN: nothing is silently clipped to a finite value.
+power of 2; data is the saturating round-to-nearest-even cast of x * scale; scale_inv = 1 / scale. A NaN or Inf
+in the input makes the amax non-finite, which makes every dequantized value NaN: nothing is silently clipped to a
+finite value.
 """
 from __future__ import annotations
 
