@@ -15,6 +15,7 @@ from jaxhq.ops.dense import _dense_fwd
 from jaxhq.ops.gemm import GemmError
 from jaxhq.recipes import CustomRecipe, DenseQuantizers
 from jaxhq.roles import QuantizerRole, gemm_roles
+from test_ffi_checks import spy_launches  # noqa: E402
 
 NAMED = ["bf16", "fp8_current", "fp8_delayed", "mxfp8", "nvfp4", "fp8_block", "hybrid:mxfp8:nvfp4"]
 M, K, N = 48, 256, 128  # M a multiple of 16 (RHT on the wgrad operands), not of 32 (partial MX blocks)
@@ -135,11 +136,9 @@ def test_float32_master_kernel_equals_its_bf16_cast(name, kernels, monkeypatch):
         np.testing.assert_array_equal(np.asarray(u.astype(v.dtype).astype(jnp.float32)),
                                       np.asarray(v.astype(jnp.float32)), err_msg=f"{name} {what}")
     if kernels == "all" and name in ("fp8_block", "mxfp8", "fp8_delayed"):
-        from jaxhq.ffi import primitives as P
-        launches, orig = [], P.quantize
-        monkeypatch.setattr(P, "quantize", lambda x, *a, **kw: launches.append((x.shape, x.dtype)) or orig(x, *a, **kw))
+        launches = spy_launches(monkeypatch)
         jax.jit(lambda x, w: jaxhq.dense(x, w, quantizers=qs, states=states)).lower(x, w)
-        assert ((K, N), jnp.float32) in launches, launches
+        assert ((K, N), jnp.float32) in [(s, dt) for s, dt, _, _ in launches], launches
 
 
 @pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "nvfp4", "fp8_block", "hybrid:mxfp8:nvfp4"])

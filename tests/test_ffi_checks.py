@@ -30,6 +30,37 @@ def random_input(key, shape, dtype):
     return x.astype(dtype)
 
 
+def bf16_rounding_input(key, shape):
+    """float32 values that round to bfloat16 every way: random ones, and ties to even in both directions (up,
+    down, negative, at the smallest normal binade) in the first four elements."""
+    x = random_input(key, shape, jnp.float32)
+    ties = jnp.asarray([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(2 + 2 ** -7), 2 ** -126 * (1 + 2 ** -8)], jnp.float32)
+    return x.reshape(-1).at[:4].set(ties).reshape(shape)
+
+
+def tiny_input(key, shape, ordinary_from=None):
+    """Normal float32 values near 1e-37 of random sign (amax below 448 / FLT_MAX: the FP8 scale 448 / amax
+    overflows); columns from `ordinary_from` on are scaled to ordinary magnitudes (blocks of both kinds)."""
+    k1, k2 = jax.random.split(key)
+    mag = jax.random.uniform(k1, shape, jnp.float32, 0.05, 1.0) * 1e-37
+    x = jnp.where(jax.random.bernoulli(k2, 0.5, shape), mag, -mag)
+    return x if ordinary_from is None else x.at[:, ordinary_from:].multiply(1e37)
+
+
+def spy_launches(monkeypatch) -> list:
+    """Records every quantize launch traced from here on (x's shape and dtype, the row and column (format, options)
+    pairs) by wrapping jaxhq.ffi.primitives.quantize; returns the list it fills."""
+    from jaxhq.ffi import primitives as P
+    launches, orig = [], P.quantize
+
+    def spy(x, scales, seed, row=(P.NONE, 0), col=(P.NONE, 0), **kw):
+        launches.append((tuple(x.shape), jnp.dtype(x.dtype), row, col))
+        return orig(x, scales, seed, row, col, **kw)
+
+    monkeypatch.setattr(P, "quantize", spy)
+    return launches
+
+
 def as_bytes(a) -> np.ndarray:
     a = np.asarray(a)
     return np.atleast_1d(a).view(np.uint8) if a.dtype.itemsize > 1 or a.dtype == np.uint8 else \

@@ -14,8 +14,8 @@ from jaxhq.formats.hybrid import side
 
 pytestmark = pytest.mark.skipif(not jffi.available("cpu"), reason="jaxhq FFI extension not built")
 
-from test_ffi_checks import (DELAYED, HYBRID, SHAPES, SINGLE, applicable, compare, random_input,  # noqa: E402
-                        reference_copies, state_for)
+from test_ffi_checks import (DELAYED, HYBRID, SHAPES, SINGLE, applicable, bf16_rounding_input,  # noqa: E402
+                             compare, random_input, reference_copies, spy_launches, state_for, tiny_input)
 
 DTYPES = [jnp.bfloat16, jnp.float32, jnp.float16]
 _seed = itertools.count(1000)
@@ -61,13 +61,6 @@ def test_transposed_launch_matches_reference(q, shape, dtype):
     assert compare(got, ref, f"transposed {q.label} {shape} {jnp.dtype(dtype).name}") == []
 
 
-def _bf16_input(shape, seed):
-    """float32 values that round to bfloat16 in every way: random ones, and ties (to even, both directions)."""
-    x = random_input(jax.random.key(seed), shape, jnp.float32)
-    ties = jnp.asarray([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(2 + 2 ** -7), 2 ** -126 * (1 + 2 ** -8)], jnp.float32)
-    return x.reshape(-1).at[:4].set(ties).reshape(shape)
-
-
 @pytest.mark.parametrize("q", SINGLE + HYBRID + [DELAYED], ids=lambda v: str(getattr(v, "label", v)))
 def test_bf16_input_launch_matches_reference_of_the_cast(q, monkeypatch):
     """float32 x quantized as x.astype(bf16) (`cast_to`, the dense op's master weights), laid out either way:
@@ -75,18 +68,12 @@ def test_bf16_input_launch_matches_reference_of_the_cast(q, monkeypatch):
     bf16-input option on both copies (no bf16 copy written first), except where a per-tensor amax is taken
     first (FP8 current scaling, NVFP4): XLA's cast carries that pass and the launch reads the cast."""
     from jaxhq.ffi import dispatch, primitives as P
-    launches, orig = [], P.quantize
-
-    def spy(x, scales, seed, row=(P.NONE, 0), col=(P.NONE, 0), **kw):
-        launches.append((jnp.dtype(x.dtype), row, col))
-        return orig(x, scales, seed, row, col, **kw)
-
-    monkeypatch.setattr(P, "quantize", spy)
+    launches = spy_launches(monkeypatch)
     amax_first = any(isinstance(side(q, a), (Float8CurrentScaling, NVFP4)) for a in ("rowwise", "columnwise"))
     for shape in ((33, 50), (256, 160), (130, 272)):
         if not applicable(q, shape):
             continue
-        x = _bf16_input(shape, next(_seed))
+        x = bf16_rounding_input(jax.random.key(next(_seed)), shape)
         st = state_for(q)
         ref = reference_copies(x.astype(jnp.bfloat16), q, ("rowwise", "columnwise"), state=st)
         for transposed in (False, True):
@@ -95,7 +82,7 @@ def test_bf16_input_launch_matches_reference_of_the_cast(q, monkeypatch):
             got = dispatch.quantize_copies(xin, q, ("rowwise", "columnwise"), state=st, platform="cpu", poison=True,
                                            transposed=transposed, cast_to=jnp.bfloat16)
             assert compare(got, ref, f"bf16 input {q.label} {shape} transposed={transposed}") == []
-            (dt, row, col), = launches
+            (_, dt, row, col), = launches
             if amax_first:
                 assert dt == jnp.bfloat16
             else:
@@ -235,9 +222,10 @@ def test_rht_shape_error_before_the_kernel():
 def test_delayed_scaling_state_from_a_tiny_amax_is_finite():
     """The delayed-scaling update caps its next scale as current scaling does (a tiny amax history gave inf)."""
     from jaxhq.formats import Float8DelayedScaling, init_state
+    from jaxhq.formats.fp8 import MAX_SCALE
     q = Float8DelayedScaling()
     st = q.update_state(init_state(q), jnp.float32(1e-37))
-    assert float(st["scale"]) == 2.0 ** 126
+    assert float(st["scale"]) == MAX_SCALE
     x = jnp.full((4, 128), 1e-37, jnp.float32)
     y = q.quantize_2d(x, state=st).dequantize()
     np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=2 ** -4)
@@ -252,11 +240,8 @@ def test_tiny_amax_quantizes_to_finite_values(q):
     bits; E4M3 subnormals below 2^-6 of the block's top, so an absolute floor of 2^-9 * 2^-126), and the kernel
     equals the reference bit for bit, outputs poisoned first."""
     from jaxhq.ffi.dispatch import quantize_copies
-    k1, k2 = jax.random.split(jax.random.key(next(_seed)))
-    mag = jax.random.uniform(k1, (128, 256), jnp.float32, 0.05, 1.0) * 1e-37  # normal floats, amax < 448 / FLT_MAX
-    x = jnp.where(jax.random.bernoulli(k2, 0.5, (128, 256)), mag, -mag)
-    if isinstance(q, Float8Block):  # blocks of ordinary values beside the tiny ones
-        x = x.at[:, 128:].multiply(1e37).at[0, 0].set(0.0)
+    x = tiny_input(jax.random.key(next(_seed)), (128, 256), 128 if isinstance(q, Float8Block) else None)
+    x = x.at[0, 0].set(0.0)
     ref = reference_copies(x, q, ("rowwise", "columnwise"))
     got = quantize_copies(x, q, ("rowwise", "columnwise"), platform="cpu", poison=True)
     assert compare(got, ref, f"tiny {q.label}") == []

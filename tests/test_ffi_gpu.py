@@ -20,8 +20,8 @@ def _gpus():
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpus(), reason="no GPU")]
 
-from test_ffi_checks import (DELAYED, HYBRID, SHAPES, SINGLE, applicable, compare, random_input,  # noqa: E402
-                        reference_copies, state_for)
+from test_ffi_checks import (DELAYED, HYBRID, SHAPES, SINGLE, applicable, bf16_rounding_input,  # noqa: E402
+                             compare, random_input, reference_copies, state_for, tiny_input)
 
 from jaxhq.formats import Float8Block, Float8CurrentScaling  # noqa: E402
 
@@ -164,8 +164,7 @@ def test_cuda_bf16_input_launch(q):
     from jaxhq.ffi.dispatch import quantize_copies
     shape = next(s for s in ((2049, 384), (640, 4096 + 16), (1024, 2048)) if applicable(q, s))
     gpu = _gpus()[0]
-    x = random_input(jax.random.key(next(_seed)), shape, jnp.float32)
-    x = x.reshape(-1).at[:3].set(jnp.asarray([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(2 + 2 ** -7)])).reshape(shape)
+    x = bf16_rounding_input(jax.random.key(next(_seed)), shape)
     st = state_for(q)
     usage = ("rowwise", "columnwise")
     ref = reference_copies(x.astype(jnp.bfloat16), q, usage, state=st)
@@ -181,11 +180,7 @@ def test_cuda_tiny_amax_is_finite_and_equals_reference(q):
     """Blocks (or a tensor) of tiny normal values, whose scale 448 / amax overflowed to inf (NaN copies): the CUDA
     kernels cap it at 2^126 as the reference does, bit for bit, outputs poisoned first; the copies are finite."""
     from jaxhq.ffi.dispatch import quantize_copies
-    k1, k2 = jax.random.split(jax.random.key(next(_seed)))
-    mag = jax.random.uniform(k1, (256, 384), jnp.float32, 0.05, 1.0) * 1e-37
-    x = jnp.where(jax.random.bernoulli(k2, 0.5, mag.shape), mag, -mag)
-    if isinstance(q, Float8Block):
-        x = x.at[:, 256:].multiply(1e37)
+    x = tiny_input(jax.random.key(next(_seed)), (256, 384), 256 if isinstance(q, Float8Block) else None)
     usage = ("rowwise", "columnwise")
     for dt in (jnp.bfloat16, jnp.float32):
         xin = jax.device_put(x.astype(dt), _gpus()[0])

@@ -28,7 +28,7 @@ MAX_SCALE = 2.0 ** 126
 def scale_from_amax(amax, fmt: str, eps: float = 0.0, power_2: bool = False):
     a = jnp.maximum(amax, jnp.float32(eps))
     scale = jnp.where(a == 0, jnp.float32(1.0), jnp.float32(FP8_MAX[fmt]) / a)
-    scale = jnp.where(scale > jnp.float32(MAX_SCALE), jnp.float32(MAX_SCALE), scale)
+    scale = jnp.minimum(scale, jnp.float32(MAX_SCALE))
     # amax = NaN/Inf: scale NaN/0, so the dequantized tensor is NaN rather than finite garbage.
     scale = jnp.where(jnp.isnan(amax), jnp.float32(jnp.nan), scale)
     if power_2:

@@ -149,8 +149,7 @@ def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=
     usage = normalize_usage(usage)
     q = normalize(quantizer)
     with jax.named_scope(QUANTIZE_SCOPE):  # profiles attribute these ops to quantization
-        return _quantize(x, q, usage, key, state, amax, transposed,
-                         None if cast_to is None or jnp.dtype(cast_to) == x.dtype else jnp.dtype(cast_to))
+        return _quantize(x, q, usage, key, state, amax, transposed, cast_to)
 
 
 QUANTIZE_SCOPE = "jaxhq_quantize"
