@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpus(), reason="no GPU")]
 from test_ffi_checks import (DELAYED, HYBRID, SHAPES, SINGLE, applicable, bf16_rounding_input,  # noqa: E402
                              compare, random_input, reference_copies, state_for, tiny_input)
 
-from jaxhq.formats import Float8Block, Float8CurrentScaling  # noqa: E402
+from jaxhq.formats import NVFP4, Float8Block, Float8CurrentScaling  # noqa: E402
 
 _seed = itertools.count(5000)
 GPU_SHAPES = SHAPES + [(1024, 2048), (640, 4096 + 16), (2049, 384)]
@@ -175,10 +175,12 @@ def test_cuda_bf16_input_launch(q):
         assert compare(got, ref, f"bf16 input {q.label} {shape} transposed={transposed}") == []
 
 
-@pytest.mark.parametrize("q", [Float8Block(), Float8Block((128, 128)), Float8CurrentScaling()], ids=lambda q: q.label)
+@pytest.mark.parametrize("q", [Float8Block(), Float8Block((128, 128)), Float8CurrentScaling(), NVFP4(),
+                               NVFP4(rht=True)], ids=lambda q: q.label)
 def test_cuda_tiny_amax_is_finite_and_equals_reference(q):
-    """Blocks (or a tensor) of tiny normal values, whose scale 448 / amax overflowed to inf (NaN copies): the CUDA
-    kernels cap it at 2^126 as the reference does, bit for bit, outputs poisoned first; the copies are finite."""
+    """Blocks (or a tensor) of tiny normal values, whose scale 448 / amax (NVFP4: 448 * 6 / amax) overflowed to inf
+    (NaN copies): the CUDA kernels cap it at 2^126 (NVFP4: 2^118) as the reference does, bit for bit, outputs
+    poisoned first; the copies are finite."""
     from jaxhq.ffi.dispatch import quantize_copies
     x = tiny_input(jax.random.key(next(_seed)), (256, 384), 256 if isinstance(q, Float8Block) else None)
     usage = ("rowwise", "columnwise")

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jaxhq.ffi import gemm as G
-from test_gemm_gpu import KERNEL, RECIPES, _cases, _dequant64, _operands, _reference
+from test_gemm_gpu import (KERNEL, RECIPES, _cases, _dequant64, _near_unquantized, _operands, _reference,
+                           _tiny_nvfp4_operands)
 
 U = {jnp.float32: 2.0 ** -24, jnp.bfloat16: 2.0 ** -8}
 
@@ -41,6 +42,15 @@ def test_cpu_gemm_matches_float64(recipe, gemm, m):
     out = jax.jit(lambda a, b: KERNEL[recipe](a, b, jnp.float32))(a, b)
     assert "jaxhq_gemm" in jax.jit(lambda a, b: KERNEL[recipe](a, b, jnp.float32)).lower(a, b).as_text()
     _check(out, _reference(a, b), _mag(a, b), jnp.float32, f"{recipe} {gemm} M={m} seed={seed}")
+
+
+@pytest.mark.parametrize("gemm", ["forward", "wgrad"])
+def test_cpu_nvfp4_gemm_of_a_tiny_tensor(gemm):
+    """The handler's alpha caps the global encode scale as the quantizer does (it overflowed to inf: NaN or 0 out)."""
+    a, b, exact, seed = _tiny_nvfp4_operands(gemm)
+    out = jax.jit(lambda a, b: KERNEL["nvfp4"](a, b, jnp.float32))(a, b)
+    _check(out, _reference(a, b), _mag(a, b), jnp.float32, f"tiny nvfp4 {gemm} seed={seed}")
+    _near_unquantized(out, exact, f"tiny nvfp4 {gemm} seed={seed}")
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))

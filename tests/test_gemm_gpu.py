@@ -80,6 +80,32 @@ def _operands(recipe: str, gemm: str, m: int, k: int = K_, n: int = N_):
     return quantize(x, qx, "columnwise").columnwise, quantize(dy, qdy, "columnwise", key=key).columnwise, seed
 
 
+def _tiny_nvfp4_operands(gemm: str):
+    """An NVFP4 GEMM (forward or wgrad layouts, as in _operands) whose A is a tensor of values near 1e-36: its amax
+    (about 4e-36) is below 448 * 6 / FLT_MAX, where the global encode scale overflowed before it was capped. B is
+    scaled up so that the GEMM's alpha (1 / global encode of each operand) and the output stay normal floats.
+    Also returns the float64 product of the unquantized operands."""
+    qx, qw, qdy = RECIPES["nvfp4"]
+    rng, seed = _rng()
+    x = jnp.asarray(rng.standard_normal((64, K_)) * 1e-36, jnp.float32)
+    w = jnp.asarray(rng.standard_normal((K_, N_)) * 1e3, jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((64, N_)) * 1e3, jnp.float32)
+    x64 = np.asarray(x, np.float64)
+    if gemm == "forward":
+        exact = x64 @ np.asarray(w, np.float64)
+        return quantize(x, qx, "rowwise").rowwise, quantize(w.T, qw, "rowwise").rowwise, exact, seed
+    key = jax.random.PRNGKey(seed)
+    exact = x64.T @ np.asarray(dy, np.float64)
+    return quantize(x, qx, "columnwise").columnwise, quantize(dy, qdy, "columnwise", key=key).columnwise, exact, seed
+
+
+def _near_unquantized(out, exact, what):
+    """NVFP4 moves each operand by about 10% (relative Frobenius, test_ffi_cpu's tiny-tensor test), so the product
+    by about 0.15; 0.3 leaves room, while lost or overflowed scales give 1 or NaN."""
+    err = float(np.linalg.norm(np.asarray(out, np.float64) - exact) / np.linalg.norm(exact))
+    assert err < 0.3, f"{what}: relative error {err:.3g} against the unquantized product"
+
+
 def _dequant64(s):
     q = s.quantizer
     if isinstance(q, NVFP4) and q.uses_rht(s.axis):
@@ -127,6 +153,15 @@ def test_gemm_matches_float64(recipe, gemm, m, dtype):
     out = jax.jit(lambda a, b: KERNEL[recipe](a, b, dtype))(a, b)
     assert out.dtype == dtype
     _check(out, _reference(a, b), dtype, f"{recipe} {gemm} M={m} {jnp.dtype(dtype).name} seed={seed}")
+
+
+@pytest.mark.parametrize("gemm", ["forward", "wgrad"])
+def test_nvfp4_gemm_of_a_tiny_tensor(gemm):
+    """The kernel's alpha caps the global encode scale as the quantizer does (it overflowed to inf: NaN or 0 out)."""
+    a, b, exact, seed = _tiny_nvfp4_operands(gemm)
+    out = jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.float32))(a, b)
+    _check(out, _reference(a, b), jnp.float32, f"tiny nvfp4 {gemm} seed={seed}")
+    _near_unquantized(out, exact, f"tiny nvfp4 {gemm} seed={seed}")
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))

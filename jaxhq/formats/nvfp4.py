@@ -1,9 +1,9 @@
 """NVFP4: E2M1 elements two per byte, an E4M3 scale per 1x16 block (or 16x16 tile) and one fp32 global scale.
 
-global_encode = 448 * 6 / amax_tensor (1 when amax is 0); per block, decode = e4m3(min(amax_block *
-(global_encode * (1/6)), 448)); elements are e2m1_rne(x * (global_encode / decode)), saturating at +-6, packed two
-per byte with the even element in the low nibble. A block whose decode scale is 0 stores zeros.
-Dequantized value = e2m1 * (decode / global_encode).
+global_encode = 448 * 6 / amax_tensor (1 when amax is 0, at most MAX_GLOBAL_ENCODE = 2^118); per block,
+decode = e4m3(min(amax_block * (global_encode * (1/6)), 448)); elements are e2m1_rne(x * (global_encode / decode)),
+saturating at +-6, packed two per byte with the even element in the low nibble. A block whose decode scale is 0
+stores zeros. Dequantized value = e2m1 * (decode / global_encode).
 
 Options: `block_2d` uses 16x16 tiles (for weights: the columnwise copy is then the exact transpose of the
 rowwise one); the tile's scale is stored on each of its 16 rows, so the scale layout [rows, ceil(cols/16)]
@@ -67,9 +67,17 @@ def apply_rht(x2d, inverse: bool = False):
     return (out * jnp.float32(0.25)).reshape(rows, cols)
 
 
+# The largest global encode scale. A tensor whose amax is below 448 * 6 / FLT_MAX (about 7.9e-36) made
+# 448 * 6 / amax overflow to inf, and a zero block then got the scale 0 * inf = NaN. Capped at 2^118, the block
+# encode multiplier global_encode / decode stays finite down to the smallest E4M3 decode scale (2^-9), and the
+# global decode factor 1 / global_encode is a normal float32.
+MAX_GLOBAL_ENCODE = 2.0 ** 118
+
+
 def global_encode(amax):
     # amax 0 -> 1; NaN -> NaN and Inf -> 0, so a non-finite input dequantizes to NaN everywhere.
-    return jnp.where(amax == 0, jnp.float32(1.0), jnp.float32(E4M3_MAX * E2M1_MAX) / amax)
+    genc = jnp.where(amax == 0, jnp.float32(1.0), jnp.float32(E4M3_MAX * E2M1_MAX) / amax)
+    return jnp.minimum(genc, jnp.float32(MAX_GLOBAL_ENCODE))
 
 
 @dataclasses.dataclass(frozen=True)

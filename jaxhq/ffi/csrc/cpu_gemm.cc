@@ -56,9 +56,6 @@ std::vector<float> decode(const Operand& o, int64_t g) {
   return out;
 }
 
-// NVFP4's global decode factor, as the CUDA alpha kernel computes it (1 for a zero amax).
-float inv_genc(float amax) { return amax == 0.0f ? 1.0f : 1.0f / (448.0f * 6.0f / amax); }
-
 float load(const ffi::AnyBuffer& b, int64_t i) {
   if (b.element_type() == ffi::DataType::F32) return static_cast<const float*>(b.untyped_data())[i];
   uint16_t v;
@@ -170,7 +167,7 @@ ffi::Error gemm_dq(ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi::AnyBuffer amax_a, f
   double alpha = 1.0;
   if (fmt_a == kNvfp4Fmt) {
     if (auto e = nvfp4_amaxes(amax_a, amax_b, 1); e.failure()) return e;
-    alpha = double(inv_genc(scalar(amax_a, 0)) * inv_genc(scalar(amax_b, 0)));
+    alpha = double(nvfp4_global_decode(scalar(amax_a, 0)) * nvfp4_global_decode(scalar(amax_b, 0)));
   }
   if (auto e = check_out(bias, c, *out, oa.rows, ob.rows, ob.rows, accumulate); e.failure()) return e;
   gemm_rows(decode(oa, 0), decode(ob, 0), 0, oa.rows, ob.rows, k, alpha, bias, 0, c, accumulate, *out);
@@ -237,7 +234,9 @@ ffi::Error gemm_dq_grouped(ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi::AnyBuffer a
   if (auto e = check_out(bias, c, *out, oa.rows, ob.rows, groups * ob.rows, accumulate); e.failure()) return e;
   std::vector<float> av = decode(oa, 0);
   for (int64_t g = 0; g < groups; ++g) {
-    double alpha = fmt_a == kNvfp4Fmt ? double(inv_genc(scalar(amax_a, 0)) * inv_genc(scalar(amax_b, g))) : 1.0;
+    const double alpha =
+        fmt_a == kNvfp4Fmt ? double(nvfp4_global_decode(scalar(amax_a, 0)) * nvfp4_global_decode(scalar(amax_b, g)))
+                           : 1.0;
     gemm_rows(av, decode(ob, g), starts[g], starts[g + 1], ob.rows, k, alpha, bias, g * ob.rows, c, accumulate,
               *out);
   }

@@ -158,12 +158,7 @@ __global__ void stream_kernel(const typename F::Word* __restrict__ data, const u
   }
 }
 
-__device__ __forceinline__ float inv_genc(const float* amax) {
-  if (amax == nullptr) return 1.0f;
-  float a = *amax;
-  if (a == 0.0f) return 1.0f;
-  return 1.0f / (448.0f * 6.0f / a);
-}
+__device__ __forceinline__ float inv_genc(const float* amax) { return amax ? nvfp4_global_decode(*amax) : 1.0f; }
 
 __global__ void alpha_kernel(const float* amax_a, const float* amax_b, float beta, float* ab) {
   ab[0] = inv_genc(amax_a) * inv_genc(amax_b);
