@@ -155,6 +155,29 @@ __device__ __forceinline__ void store_bytes(uint8_t* dst, const uint8_t (&out)[N
   }
 }
 
+// MXFP8's E8M0 scale byte of a block from its amax (x's dtype T: the quotient is rounded to it first, as the
+// reference computes it in x's dtype).
+template <typename T>
+__device__ __forceinline__ uint8_t mx_scale_byte(float amax, bool e5) {
+  return e8m0_round_up(round_to_dtype_sw(mx_q(amax, e5), dtype_id<T>()));
+}
+
+// An FP8 copy's N values of copy row gr from column gc, times the multiplier of their block (or tensor), encoded
+// and stored (the scales are the caller's).
+template <int N>
+__device__ __forceinline__ void encode_fp8_chunk(const SideParams& sp, int64_t b, int64_t gr, int64_t gc, float mult,
+                                                 const float (&v)[N]) {
+  const int64_t C = sp.C;
+  const bool e5 = sp.opts & kE5M2;
+  uint8_t out[N];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    const uint16_t pair = fp8x2(v[2 * i] * mult, v[2 * i + 1] * mult, e5);
+    memcpy(out + 2 * i, &pair, 2);
+  }
+  store_bytes(sp.data + b * sp.dbytes + gr * C + gc, out, C - gc, C % N == 0);
+}
+
 // The scalar that copy s of batch element b uses: the FP8 per-tensor scale (with kFromAmax, computed here from
 // the amax given, as fp8.scale_from_amax does) or the NVFP4 global encode. Kernels take both once per thread.
 __device__ __forceinline__ float copy_scalar(const Params& p, int s, int64_t b) {
@@ -195,12 +218,11 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
     store_bytes(data + gr * pc + gc / 2, out, (C - gc + 1) / 2, pc % (N / 2) == 0);
     return;
   }
-  const bool e5 = sp.opts & kE5M2;
   float mult;
   if (fmt == kFp8Tensor) {
     mult = tscale;
   } else if (fmt == kMxfp8) {
-    const uint8_t e = e8m0_round_up(round_to_dtype_sw(mx_q(amax, e5), dtype_id<T>()));
+    const uint8_t e = mx_scale_byte<T>(amax, sp.opts & kE5M2);
     mult = e8m0_reciprocal(e);
     if (gc % 32 == 0) scale[gr * ((C + 31) / 32) + gc / 32] = e;
   } else {  // FP8 blockwise: 1x128 (a scale per row and 128 columns) or 128x128
@@ -209,13 +231,7 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
     if (gc % 128 == 0 && (fmt == kFp8Block1 || gr % 128 == 0))
       reinterpret_cast<float*>(scale)[(fmt == kFp8Block1 ? gr : gr / 128) * nb + gc / 128] = div_ref(1.0f, mult);
   }
-  uint8_t out[N];
-#pragma unroll
-  for (int i = 0; i < N / 2; ++i) {
-    const uint16_t pair = fp8x2(v[2 * i] * mult, v[2 * i + 1] * mult, e5);
-    memcpy(out + 2 * i, &pair, 2);
-  }
-  store_bytes(data + gr * C + gc, out, C - gc, C % N == 0);
+  encode_fp8_chunk(sp, b, gr, gc, mult, v);
 }
 
 // The register-tile kernel (cuda_quantize_regs.cu): 16-bit inputs, FP8 formats (register_tile_takes).

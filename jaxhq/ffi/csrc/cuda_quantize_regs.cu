@@ -4,8 +4,10 @@
 // (sixteen for float) and keeps it in registers as 16-bit values: its rowwise copy is 8 rows of 8 values, its
 // columnwise copy the same registers read the other way. No element of x
 // passes through shared memory. Block amaxes start as per-thread partials: the integer max of the 16-bit |x|
-// patterns, which orders as the values do, with NaN patterns above inf. They meet in 17 KB of shared memory.
-// Numerics: encode_chunk (cuda_quantize.cuh), shared with the tile kernel.
+// patterns, which orders as the values do, with NaN patterns above inf. They meet in 17 KB of shared memory, where
+// a thread per copy row turns them into the row's MXFP8 / 1x128 scales (row_scales) before the chunks are encoded.
+// Numerics: cuda_quantize.cuh (mx_scale_byte, block_scale, encode_fp8_chunk, encode_chunk), shared with the tile
+// kernel.
 //
 // Thread layout: warp w, lane l -> block row rg = 4 (w % 4) + l / 8, block column cg = 8 (w / 4) + l % 8.
 // Eight lanes read 128 contiguous bytes of a row; an MXFP8 block of either copy is 4 lanes of
@@ -24,10 +26,51 @@ constexpr int kTile = 128, kThreads = 256, kPart = 17;  // partial-amax row stri
 
 struct RegSmem {
   uint32_t part[2][kTile * kPart];  // [side][copy row * kPart + 8-element group]: max |x| pattern
-  uint32_t full[2][kTile];          // [side][copy row]: over the tile's 128 columns (1x128 blocks)
-  uint32_t tile;                    // over the tile (128x128 blocks)
+  uint32_t row[2][kTile];           // [side][copy row]: the row's scales (row_scales)
+  uint32_t tile;                    // max |x| pattern over the tile (128x128 blocks)
   unsigned xamax[kThreads / 32];    // per-warp max |x| (the amax output)
 };
+
+// One thread per copy row of side s (format F): the row's block scales in this tile, computed once instead of by
+// every chunk of the block, stored to the scale array (MXFP8: the four E8M0 bytes of the tile's 128 columns as one
+// 32-bit store where the row allows it; 1x128: scale_inv) and kept in sm.row for the chunks (MXFP8: the four bytes;
+// 1x128: the multiplier's bits). Returns the row's max |x| pattern over the tile's 128 columns.
+template <typename T, int F>
+__device__ __forceinline__ uint32_t row_scales(const Params& p, RegSmem& sm, int s, int64_t b, int cr, int64_t gr,
+                                               int64_t gc0) {
+  const uint32_t* part = sm.part[s] + cr * kPart;
+  uint32_t blk[4], a = 0u;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    blk[i] = maxu(maxu(part[4 * i], part[4 * i + 1]), maxu(part[4 * i + 2], part[4 * i + 3]));
+    a = maxu(a, blk[i]);
+  }
+  if constexpr (F == kMxfp8 || F == kFp8Block1) {
+    const SideParams& sp = p.side[s];
+    if (gr < sp.R) {
+      uint8_t* scale = sp.scale + b * sp.sbytes;
+      if constexpr (F == kMxfp8) {
+        const int64_t nb = (sp.C + 31) / 32, blk0 = gc0 / 32;
+        uint32_t word = 0u;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) word |= uint32_t(mx_scale_byte<T>(bits_to_f32<T>(blk[i]), sp.opts & kE5M2)) << (8 * i);
+        sm.row[s][cr] = word;
+        uint8_t* dst = scale + gr * nb + blk0;
+        if (nb % 4 == 0) {  // blk0 is a multiple of 4: the word is aligned and its four blocks lie in the row
+          *reinterpret_cast<uint32_t*>(dst) = word;
+        } else {
+          for (int i = 0; i < 4 && blk0 + i < nb; ++i) dst[i] = uint8_t(word >> (8 * i));
+        }
+      } else {
+        const float mult = block_scale(bits_to_f32<T>(a), sp.opts & kPow2);
+        sm.row[s][cr] = f2u(mult);
+        reinterpret_cast<float*>(scale)[gr * ((sp.C + 127) / 128) + gc0 / 128] = div_ref(1.0f, mult);
+      }
+    }
+  }
+  return a;
+}
+
 
 // The 8x8 block of x at tile rows 8 rg.., columns 8 cg.. as 8 rows of 4 packed 16-bit words, zero outside x.
 // In = float: float32 x read as its bfloat16 roundings (kF32AsBF16), two 16-byte loads per row.
@@ -101,7 +144,6 @@ __device__ __forceinline__ void encode_side(const Params& p, const RegSmem& sm, 
     const int cr0 = s == 0 ? 8 * rg : 8 * cg;  // this thread's first copy row in the tile
     const int grp = s == 0 ? cg : rg;          // its 8-element group along the copy row
     const int64_t tr0 = s == 0 ? r0 : c0, gc = (s == 0 ? c0 : r0) + 8 * grp;  // in the copy
-    const uint32_t* part = sm.part[s];
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
       const int cr = cr0 + t;
@@ -110,16 +152,13 @@ __device__ __forceinline__ void encode_side(const Params& p, const RegSmem& sm, 
       float v[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) v[e] = bits_to_f32<T>(element(w, s, t, e));
-      uint32_t a = 0u;  // the block's max |x| pattern
-      if constexpr (F == kMxfp8) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) a = maxu(a, part[cr * kPart + (grp & ~3) + i]);
+      if constexpr (F == kMxfp8) {  // the scales are row_scales'
+        encode_fp8_chunk(sp, b, gr, gc, e8m0_reciprocal(uint8_t(sm.row[s][cr] >> (8 * (grp >> 2)))), v);
       } else if constexpr (F == kFp8Block1) {
-        a = sm.full[s][cr];
-      } else if constexpr (F == kFp8Block2) {
-        a = sm.tile;
+        encode_fp8_chunk(sp, b, gr, gc, u2f(sm.row[s][cr]), v);
+      } else {
+        encode_chunk<8, T, F>(p, s, b, gr, gc, F == kFp8Block2 ? bits_to_f32<T>(sm.tile) : 0.0f, ts, v);
       }
-      encode_chunk<8, T, F>(p, s, b, gr, gc, bits_to_f32<T>(a), ts, v);
     }
   }
 }
@@ -171,13 +210,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<In>) quantize_regs_kernel
   __syncthreads();
   if (p.amax) cta_amax_finish(sm.xamax, kThreads / 32, p.amax + b);
 
-  // 1x128 and 128x128 blocks need the whole tile row / the whole tile.
-  constexpr bool kRowBlocks = F0 == kFp8Block1 || F1 == kFp8Block1 || F0 == kFp8Block2 || F1 == kFp8Block2;
-  if constexpr (kRowBlocks) {
+  // Block scales per copy row (MXFP8, 1x128) and the tile's amax (128x128): a thread per (side, copy row).
+  constexpr bool kRowPhase = F0 == kMxfp8 || F1 == kMxfp8 || F0 == kFp8Block1 || F1 == kFp8Block1 ||
+                             F0 == kFp8Block2 || F1 == kFp8Block2;
+  if constexpr (kRowPhase) {
     const int s = threadIdx.x / kTile, cr = threadIdx.x % kTile;
-    uint32_t a = 0u;
-    for (int g = 0; g < 16; ++g) a = maxu(a, sm.part[s][cr * kPart + g]);
-    sm.full[s][cr] = a;
+    const int64_t gr = (s == 0 ? r0 : c0) + cr, gc0 = s == 0 ? c0 : r0;  // the copy row, the tile's first column
+    const uint32_t a = s == 0 ? row_scales<T, F0>(p, sm, 0, b, cr, gr, gc0) : row_scales<T, F1>(p, sm, 1, b, cr, gr, gc0);
     if (s == 0) atomicMax(&sm.tile, a);
     __syncthreads();
   }
