@@ -53,7 +53,8 @@ __device__ __forceinline__ uint32_t row_scales(const Params& p, RegSmem& sm, int
         const int64_t nb = (sp.C + 31) / 32, blk0 = gc0 / 32;
         uint32_t word = 0u;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) word |= uint32_t(mx_scale_byte<T>(bits_to_f32<T>(blk[i]), sp.opts & kE5M2)) << (8 * i);
+        for (int i = 0; i < 4; ++i)
+          word |= uint32_t(mx_scale_byte<T>(bits_to_f32<T>(blk[i]), sp.opts & kE5M2)) << (8 * i);
         sm.row[s][cr] = word;
         uint8_t* dst = scale + gr * nb + blk0;
         if (nb % 4 == 0) {  // blk0 is a multiple of 4: the word is aligned and its four blocks lie in the row
@@ -70,7 +71,6 @@ __device__ __forceinline__ uint32_t row_scales(const Params& p, RegSmem& sm, int
   }
   return a;
 }
-
 
 // The 8x8 block of x at tile rows 8 rg.., columns 8 cg.. as 8 rows of 4 packed 16-bit words, zero outside x.
 // In = float: float32 x read as its bfloat16 roundings (kF32AsBF16), two 16-byte loads per row.
@@ -169,8 +169,9 @@ __device__ __forceinline__ void encode_side(const Params& p, const RegSmem& sm, 
 // In: x's type in memory (T, or float read as bfloat16: kF32AsBF16).
 // With 16-bit x, four CTAs per SM: the bound holds the compiler to 64 registers (it took 64-80, so three fit, and the
 // kernel, one load phase per CTA, waited on memory; spills of 8-16 bytes at most). H200, 16384^2 bf16, three
-// alternating rounds: mxfp8 0.515 -> 0.443 ms, fp8_block 1x128 0.451 -> 0.379, 128x128 0.392 -> 0.320. Float32 x
-// (twice the registers per load) keeps the compiler's choice.
+// alternating rounds: mxfp8 0.515 -> 0.443 ms, fp8_block 1x128 0.451 -> 0.379, 128x128 0.392 -> 0.320; no change
+// on the H100, whose HBM needs fewer bytes in flight. Float32 x keeps the compiler's choice (four CTAs: 3-5%
+// slower on the H100, docs/ffi.md).
 template <typename In>
 constexpr int kMinBlocks = sizeof(In) == 2 ? 4 : 1;
 
@@ -216,7 +217,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<In>) quantize_regs_kernel
   if constexpr (kRowPhase) {
     const int s = threadIdx.x / kTile, cr = threadIdx.x % kTile;
     const int64_t gr = (s == 0 ? r0 : c0) + cr, gc0 = s == 0 ? c0 : r0;  // the copy row, the tile's first column
-    const uint32_t a = s == 0 ? row_scales<T, F0>(p, sm, 0, b, cr, gr, gc0) : row_scales<T, F1>(p, sm, 1, b, cr, gr, gc0);
+    const uint32_t a =
+        s == 0 ? row_scales<T, F0>(p, sm, 0, b, cr, gr, gc0) : row_scales<T, F1>(p, sm, 1, b, cr, gr, gc0);
     if (s == 0) atomicMax(&sm.tile, a);
     __syncthreads();
   }
