@@ -160,12 +160,15 @@ JHQ_HD float e8m0_to_f32(uint8_t e) {
 // casts.pow2_floor
 JHQ_HD float pow2_floor(float x) { return u2f(f2u(x) & 0xFF800000u); }
 
+// The scale caps of the reference: fp8.MAX_SCALE and nvfp4.MAX_GLOBAL_ENCODE.
+constexpr float kMaxFp8Scale = 0x1p126f, kMaxNvfp4GlobalEncode = 0x1p118f;
+
 // fp8.scale_from_amax: fmt_max / max(amax, eps) (1 when that is 0; at most 2^126, so that scale_inv stays a
 // normal float; NaN for a NaN amax), optionally rounded down to a power of 2.
 JHQ_HD float tensor_scale(float amax, float fmt_max, float eps, bool pow2) {
   float a = nmax(amax, eps);
   float s = (a == 0.0f) ? 1.0f : div_ref(fmt_max, a);
-  if (s > 8.50705917e37f) s = 8.50705917e37f;  // 2^126
+  if (s > kMaxFp8Scale) s = kMaxFp8Scale;
   if (is_nan(amax)) s = NAN;
   if (pow2 && !is_nan(s) && !is_inf(s) && s > 0.0f) s = pow2_floor(s);
   return s;
@@ -252,7 +255,7 @@ JHQ_HD float nvfp4_decode_value(float amax_b, float genc) { return e4m3_value(nv
 JHQ_HD float nvfp4_global_decode(float amax) {
   if (amax == 0.0f) return 1.0f;
   float genc = (448.0f * 6.0f) / amax;
-  if (genc > 3.32306998946228968e35f) genc = 3.32306998946228968e35f;  // 2^118
+  if (genc > kMaxNvfp4GlobalEncode) genc = kMaxNvfp4GlobalEncode;
   return 1.0f / genc;
 }
 JHQ_HD float nvfp4_encode_mult(float dec, float genc) { return dec == 0.0f ? 0.0f : div_ref(genc, dec); }
