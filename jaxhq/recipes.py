@@ -94,10 +94,13 @@ def bf16(**kw) -> CustomRecipe:
     return CustomRecipe(_gemm_factory(Identity(), Identity(), Identity()), name="bf16", **kw)
 
 
-def fp8_current(**kw) -> CustomRecipe:
-    """FP8 per-tensor current scaling: E4M3 activations and weights, E5M2 gradients."""
+def fp8_current(grad_format: str = "e4m3", **kw) -> CustomRecipe:
+    """FP8 per-tensor current scaling: E4M3 activations and weights; gradients in `grad_format`, E4M3 by default
+    (E5M2 for the E4M3-forward / E5M2-backward split). A scale computed from each tensor's own amax cannot
+    overflow, so gradients gain more from E4M3's extra mantissa bit than from E5M2's range: on the small model
+    (docs/training.md, three seeds) E5M2 gradients ended 3.7% above bf16's validation loss, E4M3 within 0.3%."""
     return CustomRecipe(_gemm_factory(Float8CurrentScaling("e4m3"), Float8CurrentScaling("e4m3"),
-                                      Float8CurrentScaling("e5m2")), name="fp8_current", **kw)
+                                      Float8CurrentScaling(grad_format)), name="fp8_current", **kw)
 
 
 def fp8_delayed(history_len: int = 1024, amax_compute: str = "max", margin: int = 0, **kw) -> CustomRecipe:
