@@ -98,16 +98,19 @@ def fp8_current(grad_format: str = "e4m3", **kw) -> CustomRecipe:
     """FP8 per-tensor current scaling: E4M3 activations and weights; gradients in `grad_format`, E4M3 by default
     (E5M2 for the E4M3-forward / E5M2-backward split). A scale computed from each tensor's own amax cannot
     overflow, so gradients gain more from E4M3's extra mantissa bit than from E5M2's range: on the small model
-    (docs/training.md, three seeds) E5M2 gradients ended 3.7% above bf16's validation loss, E4M3 within 0.3%."""
+    (docs/training.md, three seeds) E5M2 gradients ended 3.6% above bf16's validation loss, E4M3 within 0.3%."""
     return CustomRecipe(_gemm_factory(Float8CurrentScaling("e4m3"), Float8CurrentScaling("e4m3"),
                                       Float8CurrentScaling(grad_format)), name="fp8_current", **kw)
 
 
-def fp8_delayed(history_len: int = 1024, amax_compute: str = "max", margin: int = 0, **kw) -> CustomRecipe:
-    """FP8 per-tensor delayed scaling (amax history kept in the "quant_state" collection)."""
+def fp8_delayed(history_len: int = 1024, amax_compute: str = "max", margin: int = 0, grad_format: str = "e4m3",
+                **kw) -> CustomRecipe:
+    """FP8 per-tensor delayed scaling (amax history kept in the "quant_state" collection): E4M3 activations and
+    weights, gradients in `grad_format`, E4M3 by default as in fp8_current (small model, three seeds: +5.6% of
+    bf16's validation loss with E5M2 gradients, +2.1% with E4M3)."""
     d = dict(history_len=history_len, amax_compute=amax_compute, margin=margin)
     return CustomRecipe(_gemm_factory(Float8DelayedScaling("e4m3", **d), Float8DelayedScaling("e4m3", **d),
-                                      Float8DelayedScaling("e5m2", **d)), name="fp8_delayed", **kw)
+                                      Float8DelayedScaling(grad_format, **d)), name="fp8_delayed", **kw)
 
 
 def mxfp8(**kw) -> CustomRecipe:

@@ -269,7 +269,7 @@ def test_delayed_scaling_history_and_scales_over_five_steps():
         return merge_quant_state(fwd, gqs)
 
     expect = {k: np.zeros(hist_len) for k in ("input", "weight", "grad_output")}
-    fmax = {"input": 448.0, "weight": 448.0, "grad_output": 57344.0}
+    fmax = {"input": 448.0, "weight": 448.0, "grad_output": 448.0}  # E4M3 everywhere (the recipe's default)
     w = np.asarray(params["fc"]["kernel"])
     for x, c in zip(xs, cs):
         qs = step(params, qs, x, c)
