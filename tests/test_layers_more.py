@@ -5,6 +5,7 @@ import importlib
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -269,7 +270,8 @@ def test_delayed_scaling_history_and_scales_over_five_steps():
         return merge_quant_state(fwd, gqs)
 
     expect = {k: np.zeros(hist_len) for k in ("input", "weight", "grad_output")}
-    fmax = {"input": 448.0, "weight": 448.0, "grad_output": 448.0}  # E4M3 everywhere (the recipe's default)
+    e4m3_max = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # E4M3 everywhere (the recipe's default)
+    fmax = {"input": e4m3_max, "weight": e4m3_max, "grad_output": e4m3_max}
     w = np.asarray(params["fc"]["kernel"])
     for x, c in zip(xs, cs):
         qs = step(params, qs, x, c)
