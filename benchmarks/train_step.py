@@ -73,9 +73,12 @@ def dense_shapes(cfg: M.GPTConfig) -> list:
 def run_recipe(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split: bool,
                path: str = "default") -> dict:
     """Compiles and times one recipe's step; with `split`, profiles it (step_profile). `path` is a
-    JAXHQ_QUANTIZE_PATH value ("default": as the library chooses), set while the step is traced."""
+    JAXHQ_QUANTIZE_PATH value ("default": as the library chooses) or "env:NAME=VALUE" (another switch read at
+    trace time, e.g. env:JAXHQ_DECODED=0), set while the step is traced."""
     jax.clear_caches()
-    with environ({} if path == "default" else {"JAXHQ_QUANTIZE_PATH": path}):
+    name_value = path[4:].partition("=") if path.startswith("env:") else None
+    with environ({} if path == "default" else {name_value[0]: name_value[2]} if name_value
+                 else {"JAXHQ_QUANTIZE_PATH": path}):
         row, window = _run(name, cfg, batch, steps, warmup, split)
         return row | {"path": path}, window
 
@@ -167,7 +170,7 @@ def main():
     p.add_argument("--no-split", action="store_true", help="skip the profile of the step (time per category)")
     p.add_argument("--paths", default="default",
                    help="JAXHQ_QUANTIZE_PATH values to run each quantized recipe under, ';'-separated "
-                        "(e.g. 'default;all=xla;all=kernel')")
+                        "(e.g. 'default;all=xla;all=kernel'), or env:NAME=VALUE (e.g. 'default;env:JAXHQ_DECODED=0')")
     p.add_argument("--budget-s", type=float, default=None, help="start no new recipe after this many seconds")
     p.add_argument("--rounds", type=int, default=1, help="timing rounds over all recipes (see above)")
     a = p.parse_args()

@@ -22,10 +22,10 @@ import pytest
 
 from jaxhq.ffi import primitives as P
 from jaxhq.ffi.dispatch import format_id
-from jaxhq.formats import NVFP4, Hybrid
+from jaxhq.formats import MXFP8, NVFP4, Hybrid
 from jaxhq.formats.hybrid import side
 
-from test_ffi_checks import HYBRID, SHAPES, SINGLE, applicable, random_input  # noqa: E402
+from test_ffi_checks import HYBRID, SHAPES, SINGLE, applicable, decoded_values, random_input  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CSRC = ROOT / "jaxhq" / "ffi" / "csrc"
@@ -204,6 +204,38 @@ def test_quantize_kernel_matches_cpu_code(emu, q, shape, dtype_id, batch):
                 assert bad.size == 0, (f"{q.label} {shape} batch {batch} {usage} variant {variant} order {order} "
                                        f"poison {poison:#x}: {name} differs at {bad.size} of {g.size} bytes, "
                                        f"first {bad[:5]}")
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (272, 200)])
+@pytest.mark.parametrize("q", [MXFP8(), MXFP8("e5m2"), NVFP4(), Hybrid(NVFP4(stochastic_rounding=True),
+                                                                       NVFP4(rht=True, stochastic_rounding=True)),
+                               NVFP4(block_2d=True), Hybrid(MXFP8(), NVFP4(rht=True))],
+                         ids=lambda v: str(getattr(v, "label", v)))
+def test_decoded_copies_hold_the_values_of_the_codes(emu, q, shape):
+    """A decoded copy (OPT_DECODED: the values as bfloat16 instead of the codes, for a GEMM that dequantizes its
+    operands anyway) holds exactly the ml_dtypes decode of the codes the same call writes without the option,
+    times their block scales; both kernels equal the CPU code, the scales are the undecoded call's, outputs
+    poisoned first. Rows and columns that are not whole tiles or blocks included."""
+    row, col = _ids(q)
+    dec = tuple((f, o | P.OPT_DECODED) for f, o in (row, col))
+    for dtype_id in (1, 0):
+        x = _input(shape, dtype_id, 1, False)
+        rng = np.random.default_rng(next(_seed))
+        scales = rng.uniform(0.5, 300.0, (1, 2)).astype(np.float32)
+        seed = np.array([[*rng.integers(0, 2 ** 32, 2), 0, 0, *shape]], np.uint32)
+        err, codes, _ = _quantize(emu, x, row, col, scales, seed, -1, 0, 0)
+        assert err == ""
+        err, want, _ = _quantize(emu, x, *dec, scales, seed, -1, 0, 0)
+        assert err == ""
+        for i, (f, o) in enumerate((row, col)):
+            r, c = shape if i == 0 else shape[::-1]
+            np.testing.assert_array_equal(want[2 * i + 1], codes[2 * i + 1])  # the scales: as without the option
+            np.testing.assert_array_equal(want[2 * i], decoded_values(codes[2 * i], codes[2 * i + 1], f == P.NVFP4, o & P.OPT_E5M2, r, c))
+        for variant, order, poison in itertools.product(VARIANTS, ORDERS, POISONS):
+            err, got, _ = _quantize(emu, x, *dec, scales, seed, variant, order, poison)
+            assert err == "", err
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert np.array_equal(g, w), (q.label, shape, dtype_id, variant, order, poison, i)
 
 
 @pytest.mark.parametrize("offsets", [(5, 3), (54366627, 7)], ids=["odd", "pair-index-crosses-2^32"])

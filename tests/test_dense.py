@@ -16,6 +16,7 @@ from jaxhq.ops.dense import _dense_fwd
 from jaxhq.ops.gemm import GemmError
 from jaxhq.recipes import CustomRecipe, DenseQuantizers
 from jaxhq.roles import QuantizerRole, gemm_roles
+from jaxhq.ffi import primitives as P
 from test_ffi_checks import spy_launches  # noqa: E402
 
 NAMED = ["bf16", "fp8_current", "fp8_delayed", "mxfp8", "nvfp4", "fp8_block", "hybrid:mxfp8:nvfp4"]
@@ -159,6 +160,37 @@ def test_float32_master_kernel_equals_its_bf16_cast(name, kernels, monkeypatch):
         launches = spy_launches(monkeypatch)
         jax.jit(lambda x, w: jaxhq.dense(x, w, quantizers=qs, states=states)).lower(x, w)
         assert ((K, N), jnp.float32) in [(s, dt) for s, dt, _, _ in launches], launches
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "hybrid:mxfp8:nvfp4", "mxfp8/nvfp4"])
+def test_decoded_copies_give_the_same_results_as_codes(name, monkeypatch):
+    """Where the block-scaled GEMMs dequantize their operands (Hopper; the CPU handlers under JAXHQ_KERNELS=all),
+    the copies a GEMM reads at once (x's and w's rowwise, both of the gradient's) may be written decoded (bf16
+    values; JAXHQ_DECODED=1 for NVFP4 too) while the ones the backward keeps stay codes; y, dx, dw and db equal
+    those of the codes bit for bit (JAXHQ_DECODED=0). By default MXFP8 copies are decoded, NVFP4 ones not."""
+    from jaxhq.ops.gemm import decoded_copies
+    monkeypatch.setenv("JAXHQ_KERNELS", "all")
+    both = (ROWWISE, COLUMNWISE)
+    assert decoded_copies(MXFP8(), both) == both and decoded_copies(NVFP4(), both) == ()
+    assert decoded_copies(Hybrid(MXFP8(), NVFP4()), both) == (ROWWISE,)
+    monkeypatch.setenv("JAXHQ_DECODED", "1")
+    qs = CASES[name]
+    x, w, b, g = rand(40, (M, K), jnp.bfloat16), rand(41, (K, N)) * 0.1, rand(42, (N,), jnp.bfloat16), \
+        rand(43, (M, N), jnp.bfloat16)
+    key, states = jax.random.PRNGKey(44), states_for(qs)
+    launches = spy_launches(monkeypatch)
+    decoded = run_dense(x, w, b, g, qs, key, states)
+    asked = {(shape, which): bool(opts & P.OPT_DECODED) for shape, _, row, col in launches
+             for which, (fmt, opts) in (("row", row), ("col", col)) if fmt}
+    # x [M, K] and the gradient [M, N] launch as themselves, the kernel [K, N] from the other side (its rowwise
+    # copy, w.T's rows, is the launch's columnwise one)
+    assert asked == {((M, K), "row"): True, ((M, K), "col"): False, ((K, N), "col"): True, ((K, N), "row"): False,
+                     ((M, N), "row"): True, ((M, N), "col"): True}, asked
+    monkeypatch.setenv("JAXHQ_DECODED", "0")
+    codes = run_dense(x, w, b, g, qs, key, states)
+    for what, u, v in zip(("y", "dx", "dw", "db"), decoded, codes):
+        np.testing.assert_array_equal(np.asarray(u.astype(jnp.float32)), np.asarray(v.astype(jnp.float32)),
+                                      err_msg=f"{name} {what}")
 
 
 @pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "nvfp4", "fp8_block", "hybrid:mxfp8:nvfp4"])

@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from jaxhq.formats import (MXFP8, NVFP4, Float8Block, Float8CurrentScaling, Float8DelayedScaling, Hybrid,
@@ -65,6 +66,21 @@ def as_bytes(a) -> np.ndarray:
     a = np.asarray(a)
     return np.atleast_1d(a).view(np.uint8) if a.dtype.itemsize > 1 or a.dtype == np.uint8 else \
         np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(a), jnp.uint8)).reshape(-1)
+
+
+def decoded_values(data, scale, nvfp4: bool, e5m2: bool, r: int, c: int) -> np.ndarray:
+    """The bytes of a decoded copy ([r, c] bfloat16: each code's value times its block scale, NVFP4 without its
+    global scale) made from a copy's code and scale bytes by ml_dtypes decodes."""
+    data, scale = as_bytes(data), as_bytes(scale)
+    if nvfp4:
+        nib = np.stack([data & 15, data >> 4], axis=-1).reshape(r, -1)[:, :c]
+        vals = nib.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+        block, per = scale.view(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(r, -1), 16
+    else:
+        vals = data.view(ml_dtypes.float8_e5m2 if e5m2 else ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(r, c)
+        block, per = np.ldexp(np.float32(1), scale.astype(np.int32) - 127).astype(np.float32).reshape(r, -1), 32
+    v = vals * np.repeat(block, per, axis=1)[:, :c]
+    return v.astype(ml_dtypes.bfloat16).view(np.uint8).reshape(-1)
 
 
 def reference_copies(x2d, q, usage, *, key=None, state=None):

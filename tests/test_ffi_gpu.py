@@ -20,8 +20,9 @@ def _gpus():
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpus(), reason="no GPU")]
 
-from test_ffi_checks import (DELAYED, HYBRID, SHAPES, SINGLE, applicable, bf16_rounding_input,  # noqa: E402
-                             compare, random_input, reference_copies, state_for, tiny_input)
+from test_ffi_checks import (DELAYED, HYBRID, SHAPES, SINGLE, applicable, as_bytes,  # noqa: E402
+                             bf16_rounding_input, compare, decoded_values, random_input, reference_copies,
+                             state_for, tiny_input)
 
 from jaxhq.formats import NVFP4, Float8Block, Float8CurrentScaling  # noqa: E402
 
@@ -191,3 +192,37 @@ def test_cuda_tiny_amax_is_finite_and_equals_reference(q):
         assert compare(got, ref, f"tiny {q.label} {jnp.dtype(dt).name}") == []
         for a in usage:
             assert bool(jnp.isfinite(ref[a].dequantize()).all()), (q.label, a)
+
+
+@pytest.mark.parametrize("q", [SINGLE[2], NVFP4(), NVFP4(rht=True, stochastic_rounding=True), NVFP4(block_2d=True)],
+                         ids=lambda v: str(getattr(v, "label", v)))
+def test_cuda_decoded_copies_are_the_dequantize_pass_values(q):
+    """Decoded copies (the values as bf16, for the Hopper GEMMs that dequantize their operands) on the GPU: the
+    bf16 of each code times its block scale, exactly (the ml_dtypes decode of the same call's codes), outputs
+    poisoned first; the GEMM of decoded operands equals the GEMM of the codes bit for bit (the same bf16 GEMM
+    reads the same values). The CPU handlers' decoded copies are held to the kernels' by tests/test_cuda_emu.py."""
+    from jaxhq.ffi.dispatch import quantize_copies
+    from jaxhq.ffi.gemm import blockscaled_gemm
+    gpu = _gpus()[0]
+    both = ("rowwise", "columnwise")
+    x = jax.device_put(random_input(jax.random.key(next(_seed)), (1040, 4096 + 32), jnp.bfloat16), gpu)
+    w = jax.device_put(random_input(jax.random.key(next(_seed)), (520, 4096 + 32), jnp.bfloat16), gpu)
+    key = jax.random.key(next(_seed)) if q.name == "nvfp4" and q.stochastic_rounding else None
+    run = jax.jit(lambda x, dec: quantize_copies(x, q, both, key=key, poison=True, decoded=dec), static_argnums=1)
+    codes, dec = run(x, ()), run(x, both)
+    for a in both:
+        c, d = codes[a], dec[a]
+        assert d.decoded and d.data.dtype == jnp.bfloat16 and d.data.shape == c.shape
+        np.testing.assert_array_equal(np.asarray(d.scale_inv.astype(jnp.float32)),
+                                      np.asarray(c.scale_inv.astype(jnp.float32)))
+        want = decoded_values(c.data, c.scale_inv, q.name == "nvfp4", False, *c.shape)
+        np.testing.assert_array_equal(as_bytes(d.data).reshape(-1), want)
+        # the values are the codes' (dequantize recovers the codes' values from a decoded copy exactly)
+        np.testing.assert_array_equal(np.asarray(d.dequantize()), np.asarray(c.dequantize()))
+    qw = jax.jit(lambda w, dec: quantize_copies(w, q, ("rowwise",), key=key, decoded=dec), static_argnums=1)
+    wc, wd = qw(w, ())["rowwise"], qw(w, ("rowwise",))["rowwise"]
+    if q.name == "nvfp4" and q.uses_rht("rowwise"):
+        return  # the Hadamard side is the columnwise one; a GEMM needs it on both operands
+    gemm = jax.jit(lambda a, b: blockscaled_gemm(a, b, jnp.float32))
+    np.testing.assert_array_equal(np.asarray(gemm(dec["rowwise"], wd)), np.asarray(gemm(codes["rowwise"], wc)))
+    np.testing.assert_array_equal(np.asarray(gemm(dec["rowwise"], wc)), np.asarray(gemm(codes["rowwise"], wc)))

@@ -51,7 +51,7 @@ def _side_state(q, state, axis):
 
 def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=None,
                     platform: Optional[str] = None, poison: bool = False, sides=None,
-                    transposed: bool = False, cast_to=None) -> Optional[dict]:
+                    transposed: bool = False, cast_to=None, decoded=()) -> Optional[dict]:
     """{axis: Storage} for each axis in `usage` (rowwise [M, K], columnwise [K, M]) of x2d [M, K], bit-equal
     to `side(quantizer, axis).quantize_2d`, or None when the kernels do not apply here.
 
@@ -70,6 +70,8 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     amax: a precomputed per-tensor amax used by the per-tensor sides.
     platform: "cpu" or "cuda" (default: where x2d lives); poison: tests only, see primitives.quantize.
     sides: the axes the kernel makes (default: every one it covers); the others are made by the reference.
+    decoded: the axes whose MXFP8 / NVFP4 copy is written as its values (bf16, `Storage.decoded`) instead of its
+    codes, for a GEMM that would dequantize it first (the Hopper path of jaxhq.ffi.gemm.blockscaled_gemm).
     """
     if load() is None or x2d.ndim != 2:
         return None
@@ -83,6 +85,8 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     ids = {a: format_id(side(quantizer, a), a) if sides is None or a in sides else None for a in usage}
     if all(v is None for v in ids.values()):
         return None
+    ids.update({a: (v[0], v[1] | P.OPT_DECODED) for a, v in ids.items()
+                if a in decoded and v is not None and v[0] in (P.MXFP8, P.NVFP4)})
     for a in usage:
         side(quantizer, a).check_shape(*((m, k) if a == ROWWISE else (k, m)), a)
 
@@ -96,7 +100,7 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
         x2d, bf16_in = x2d.astype(jnp.bfloat16), False
     if need_rht and transposed:  # the amax kernel transforms columns of what it reads: give it the tensor
         return quantize_copies(x2d.T, quantizer, usage, key=key, state=state, amax=amax, platform=platform,
-                               poison=poison, sides=sides)
+                               poison=poison, sides=sides, decoded=decoded)
     x_ref = x2d.astype(jnp.bfloat16) if bf16_in else x2d  # what the copies are of (the reference sides, the amax)
     # On the "xla" amax path the amax is a jnp reduction that XLA fuses into the op producing x (x is not read
     # again). The kernel computes the scale from a NaN amax whatever its bits, so it takes the reduction's own
@@ -179,14 +183,15 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
             sk = None if key is None else jax.random.fold_in(key, USAGES.index(a))
             out[a] = q.quantize_2d(arr, a, key=sk, state=_side_state(quantizer, state, a), amax=amax)
             continue
-        out[a] = Storage(data=data, scale_inv=sc, amax=amaxes.get(a), quantizer=q, axis=a, shape=shape)
+        out[a] = Storage(data=data, scale_inv=sc, amax=amaxes.get(a), quantizer=q, axis=a, shape=shape,
+                         decoded=bool(v[1] & P.OPT_DECODED))
     return out
 
 
 def dequantize_storage(s: Storage, platform: Optional[str] = None):
     """float32 values of one copy through the dequantize kernel (RHT undone by the reference transform),
     or None when there is no kernel for it here."""
-    if load() is None:
+    if load() is None or s.decoded:
         return None
     platform = platform or P.platform_of(s.data)
     v = format_id(s.quantizer, s.axis)

@@ -124,13 +124,14 @@ def workspace_bytes_fp8(m, n, k, mode_a, mode_b, out_dtype, extra: bool, layout=
     return total + _epilogue_pieces(m, n, ob, extra, k)
 
 
-def workspace_bytes_dq(m, n, k, nvfp4: bool, out_dtype, extra: bool) -> int:
-    """Workspace of jaxhq_gemm_dq: bf16 copies of both operands (Hopper), or their block scales swizzled for
-    cuBLASLt (Blackwell), whichever is larger; the NVFP4 alpha; the epilogue and retry pieces."""
+def workspace_bytes_dq(m, n, k, nvfp4: bool, out_dtype, extra: bool, decoded=(False, False)) -> int:
+    """Workspace of jaxhq_gemm_dq: bf16 copies of both operands (Hopper; none for a decoded operand, which is
+    read where it lies), or their block scales swizzled for cuBLASLt (Blackwell), whichever is larger; the NVFP4
+    alpha; the epilogue and retry pieces."""
     ob = jnp.dtype(out_dtype).itemsize
     cols = _cdiv(k, 16 if nvfp4 else 32)
-    swizzled = sum(_piece(_cdiv(r, 128) * 128 * _cdiv(cols, 4) * 4) for r in (m, n))
-    operands = max(_piece(m * k * 2) + _piece(n * k * 2), swizzled)
+    swizzled = 0 if any(decoded) else sum(_piece(_cdiv(r, 128) * 128 * _cdiv(cols, 4) * 4) for r in (m, n))
+    operands = max(sum(_piece(r * k * 2) for r, d in zip((m, n), decoded) if not d), swizzled)
     return 256 + _lt_workspace() + operands + _piece(8) + _epilogue_pieces(m, n, ob, extra, 2 * k)
 
 
@@ -260,6 +261,10 @@ def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=Non
         raise GemmUnsupported(f"{name}: K differs: A {a.shape} ({a.format}), B {b.shape} ({b.format})")
     if (fa == FMT_NVFP4) != (fb == FMT_NVFP4):
         raise GemmUnsupported(f"{name}: no kernel for {a.format} x {b.format}")
+    if a.decoded or b.decoded:  # the values are there already: the bf16 GEMM of the dequantize path reads them
+        if kernel == "wgmma":
+            raise GemmUnsupported(f"{name}: the wgmma kernel reads codes, not decoded copies")
+        kernel = "dequantize"
     if _use_wgmma(fa, fb, n, k, kernel, name):
         out_dtype, bias_, c, aliases = _out_tail(m, n, out_dtype, bias, accumulate, name)
         if not _registered():
@@ -282,10 +287,12 @@ def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=Non
     if not _registered():
         raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
     aliases = {7: 0} if aliases else {}
-    ws = _workspace(workspace_bytes_dq(m, n, k, fa == FMT_NVFP4, out_dtype, bias is not None or accumulate is not None))
+    ws = _workspace(workspace_bytes_dq(m, n, k, fa == FMT_NVFP4, out_dtype, bias is not None or accumulate is not None,
+                                       (a.decoded, b.decoded)))
     call = jax.ffi.ffi_call(DQ_TARGET, (jax.ShapeDtypeStruct((m, n), out_dtype), ws), input_output_aliases=aliases,
                             vmap_method="sequential")
-    return call(_u8(a.data), _u8(a.scale_inv), amax_a, _u8(b.data), _u8(b.scale_inv), amax_b, bias_, c,
+    data = lambda s: s.data if s.decoded else _u8(s.data)  # noqa: E731  (decoded: bf16, read as such)
+    return call(data(a), _u8(a.scale_inv), amax_a, data(b), _u8(b.scale_inv), amax_b, bias_, c,
                 fmt_a=np.int32(fa), fmt_b=np.int32(fb), k=np.int64(k), accumulate=np.int32(accumulate is not None))[0]
 
 

@@ -61,7 +61,7 @@ def _out_dims(fmt: int, opts: int, rows_f: str, cols_f: str, rows_n: int, cols_n
         sizes[base + name] = inner
         return f"({base} {base}{name})"
     br, bc = _extent(fmt, opts)
-    d_cols = expr(cols_f, cols_n, g_cols, 2 if fmt == P.NVFP4 else 1, tag + "d")
+    d_cols = expr(cols_f, cols_n, g_cols, 2 if fmt == P.NVFP4 and not opts & P.OPT_DECODED else 1, tag + "d")
     d_rows = expr(rows_f, rows_n, g_rows, 1, tag + "r")
     data = f"{d_rows} {d_cols}"
     if fmt == P.FP8_TENSOR:

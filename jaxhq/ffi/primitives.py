@@ -22,14 +22,16 @@ import numpy as np
 from . import registered_targets
 
 NONE, FP8_TENSOR, MXFP8, NVFP4, FP8_BLOCK_1x128, FP8_BLOCK_128x128 = range(6)
-OPT_E5M2, OPT_POW2, OPT_BLOCK2D, OPT_RHT, OPT_SR, OPT_FROM_AMAX, OPT_BF16_INPUT = 1, 2, 4, 8, 16, 32, 64
+OPT_E5M2, OPT_POW2, OPT_BLOCK2D, OPT_RHT, OPT_SR, OPT_FROM_AMAX, OPT_BF16_INPUT, OPT_DECODED = 1, 2, 4, 8, 16, 32, 64, 128
 _EMPTY = jax.ShapeDtypeStruct((0,), jnp.uint8)
 
 
 def data_shape_dtype(fmt: int, opts: int, rows: int, cols: int, batch=()):
-    """Shape and dtype of a copy's data for format id `fmt`."""
+    """Shape and dtype of a copy's data for format id `fmt` (OPT_DECODED: its bfloat16 values)."""
     if fmt == NONE:
         return None
+    if opts & OPT_DECODED:
+        return jax.ShapeDtypeStruct((*batch, rows, cols), jnp.bfloat16)
     if fmt == NVFP4:
         return jax.ShapeDtypeStruct((*batch, rows, (cols + 1) // 2), jnp.uint8)
     dt = jnp.float8_e5m2 if opts & OPT_E5M2 else jnp.float8_e4m3fn
@@ -78,10 +80,9 @@ def amax(x, rht: bool = False):
 def poison_like(sds):
     """An array of sds's shape and dtype with every byte 0xFF (NaN for floats): unwritten outputs show."""
     dt = jnp.dtype(sds.dtype)
-    if dt.itemsize == 1:
-        raw = jnp.full(sds.shape, 0xFF, jnp.uint8)
-        return raw if dt == jnp.uint8 else jax.lax.bitcast_convert_type(raw, dt)
-    return jax.lax.bitcast_convert_type(jnp.full(sds.shape, 0xFFFFFFFF, jnp.uint32), dt)
+    ut = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[dt.itemsize]
+    raw = jnp.full(sds.shape, (1 << (8 * dt.itemsize)) - 1, ut)
+    return raw if dt == ut else jax.lax.bitcast_convert_type(raw, dt)
 
 
 def seed_words(key_words, m: int, k: int, m0=0, k0=0):

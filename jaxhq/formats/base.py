@@ -55,7 +55,8 @@ class Quantizer:
 class Storage:
     """One copy of a quantized tensor: data, inverse scales and (per-tensor formats) the amax.
 
-    `shape` is the logical 2D shape of this copy ([M, K] rowwise, [K, M] columnwise).
+    `shape` is the logical 2D shape of this copy ([M, K] rowwise, [K, M] columnwise). A `decoded` copy holds the
+    values of its codes instead of the codes (see the field).
     """
 
     data: Any
@@ -64,6 +65,9 @@ class Storage:
     quantizer: Quantizer = dataclasses.field(default=None, metadata=dict(static=True))
     axis: str = dataclasses.field(default=ROWWISE, metadata=dict(static=True))
     shape: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    # MXFP8 / NVFP4 made by the kernels for a GEMM that reads values (the dequantize path of Hopper): `data` is
+    # bfloat16 [rows, cols], each code times its block scale (NVFP4: not the global one); `scale_inv` as usual.
+    decoded: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def dequantize(self):
         """float32 values in this copy's layout, with any transform (RHT) undone."""

@@ -140,6 +140,11 @@ class NVFP4(Quantizer):
     def dequantize_transformed(self, s: Storage):
         """Values in the transformed (RHT) domain, as a GEMM whose both operands carry the RHT reads them."""
         rows, cols = s.shape
-        vals = e2m1_decode(unpack_nibbles(s.data))[:, :cols]
-        scale = s.scale_inv.astype(jnp.float32) / global_encode(s.amax)
-        return vals * expand_blocks(scale, NV_BLOCK, cols)
+        block = s.scale_inv.astype(jnp.float32)
+        if s.decoded:  # bf16 values e2m1 * block scale: the E2M1 values back (multiples of 0.5, so the rounding
+            # undoes GPU division's last-bit error), 0 in a block scaled by 0
+            b = expand_blocks(block, NV_BLOCK, cols)
+            vals = jnp.round(2.0 * (s.data.astype(jnp.float32) / jnp.where(b == 0, 1.0, b))) * 0.5
+        else:
+            vals = e2m1_decode(unpack_nibbles(s.data))[:, :cols]
+        return vals * expand_blocks(block / global_encode(s.amax), NV_BLOCK, cols)

@@ -128,7 +128,7 @@ def _kernel_copies(x2d, q, usage, **kw) -> Optional[dict]:
 
 
 def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=None, amax=None,
-             transposed: bool = False, cast_to=None) -> QTensor:
+             transposed: bool = False, cast_to=None, decoded: Usage = ()) -> QTensor:
     """Quantize `x` (rank >= 2, leading dims flattened into rows) into the copies named by `usage`.
 
     key: jax.random key for stochastic rounding; state: delayed-scaling state (see `init_state`);
@@ -140,6 +140,9 @@ def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=
     cast_to: quantize x.astype(cast_to) (the dense op's float32 master weight in a bf16 model). From float32 to
     bfloat16 the kernels round each value as they load it, so that cast is never written to memory, except where
     a per-tensor amax is taken first (FP8 current scaling, NVFP4): XLA's cast then carries the amax pass.
+    decoded: copies (among `usage`) that a kernel writes as their values, bfloat16, instead of their codes
+    (MXFP8 and NVFP4; `Storage.decoded`), for a GEMM that would dequantize them anyway (jaxhq.ops.gemm.decodes).
+    The reference path makes codes.
     """
     if not isinstance(quantizer, Quantizer):
         raise TypeError(f"quantize needs a Quantizer, got {quantizer!r}")
@@ -147,19 +150,21 @@ def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=
     if transposed and x.ndim != 2:
         raise QuantizationError(f"transposed quantization of shape {tuple(x.shape)} with {quantizer}: 2D needed")
     usage = normalize_usage(usage)
+    decoded = normalize_usage(decoded) if decoded else ()
     q = normalize(quantizer)
     with jax.named_scope(QUANTIZE_SCOPE):  # profiles attribute these ops to quantization
-        return _quantize(x, q, usage, key, state, amax, transposed, cast_to)
+        return _quantize(x, q, usage, key, state, amax, transposed, cast_to, decoded)
 
 
 QUANTIZE_SCOPE = "jaxhq_quantize"
 STATE_SCOPE = "jaxhq_state"
 
 
-def _quantize(x, q, usage, key, state, amax, transposed=False, cast_to=None) -> QTensor:
+def _quantize(x, q, usage, key, state, amax, transposed=False, cast_to=None, decoded=()) -> QTensor:
     x = jax.lax.stop_gradient(x)
     x2d = x.reshape(-1, x.shape[-1])
-    copies = _kernel_copies(x2d, q, usage, key=key, state=state, amax=amax, transposed=transposed, cast_to=cast_to)
+    copies = _kernel_copies(x2d, q, usage, key=key, state=state, amax=amax, transposed=transposed, cast_to=cast_to,
+                            decoded=decoded)
     if cast_to is not None:  # the reference's input (unused, so not computed, when the kernels made the copies)
         x, x2d = x.astype(cast_to), x2d.astype(cast_to)
     if transposed:

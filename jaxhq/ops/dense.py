@@ -34,7 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 from ..formats import COLUMNWISE, ROWWISE, QTensor, quantize, update_state
 from ..recipes import DenseQuantizers
 from ..sharding.sequence import sequence_plan
-from .gemm import gemm
+from .gemm import decoded_copies, gemm
 
 SLOTS = ("input", "weight", "grad_output")
 
@@ -61,10 +61,11 @@ def _keys(key):
     return tuple(jax.random.fold_in(key, i) for i in range(3))
 
 
-def _quantize(t, qs: DenseQuantizers, slot: str, usage, key, state, transposed=False, cast_to=None):
+def _quantize(t, qs: DenseQuantizers, slot: str, usage, key, state, transposed=False, cast_to=None, decoded=()):
     q = getattr(qs, slot)
     try:
-        return quantize(t, q, usage, key=key, state=state, transposed=transposed, cast_to=cast_to)
+        return quantize(t, q, usage, key=key, state=state, transposed=transposed, cast_to=cast_to,
+                        decoded=decoded_copies(q, decoded))
     except (ValueError, TypeError) as e:
         raise type(e)(f"{slot} of {qs.role(slot) or 'dense'}: {e}") from None
 
@@ -77,11 +78,15 @@ def _forward(x, kernel, bias, states, key, qs: DenseQuantizers, usage_x, usage_w
     gathered = sp is not None and sp.gathers("input")
     x2d = sp.tokens(x) if gathered else x.reshape(-1, x.shape[-1])
     kx, kw, _ = _keys(key)
-    quantize_x = lambda usage: _quantize(x2d, qs, "input", usage, kx, states.get("input"))  # noqa: E731
+    # The copies the forward GEMM reads at once may be written decoded (ops.gemm.decoded_copies), unless they
+    # travel first (sharded weights, sequence parallelism: gathered as quantized bytes).
+    now = (ROWWISE,) if wsh is None and sp is None else ()
+    quantize_x = lambda usage, dec=(): _quantize(x2d, qs, "input", usage, kx, states.get("input"),  # noqa: E731
+                                                 decoded=dec)
     # sequence parallel: each device quantizes its tokens, the copies are all-gathered as quantized bytes
-    qx = sp.quantize(quantize_x, qs.input, usage_x, gather_columnwise=False) if gathered else quantize_x(usage_x)
+    qx = sp.quantize(quantize_x, qs.input, usage_x, gather_columnwise=False) if gathered else quantize_x(usage_x, now)
     qw = _quantize(kernel, qs, "weight", usage_w, kw, states.get("weight"), transposed=True,  # copies of kernel.T
-                   cast_to=x.dtype)
+                   cast_to=x.dtype, decoded=now)
     if wsh is not None:  # sharding hook: keep the quantized copies sharded like the kernel
         qw = wsh.shard(qw)
     w_fwd = qw.rowwise if wsh is None else wsh.gathered(qw.rowwise)  # all-gather of quantized bytes
@@ -129,9 +134,11 @@ def _dense_bwd(qs, wsh, sp, res, cts):
     gathered = sp is not None and sp.gathers("grad_output")
     dy2d = sp.tokens(dy) if gathered else dy.reshape(-1, dy.shape[-1])
     _, _, kdy = _keys(key)
-    quantize_dy = lambda usage: _quantize(dy2d, qs, "grad_output", usage, kdy, dy_state)  # noqa: E731
     both = (ROWWISE, COLUMNWISE)
-    qdy = sp.quantize(quantize_dy, qs.grad_output, both) if gathered else quantize_dy(both)
+    now = both if wsh is None and sp is None else ()  # both GEMMs read the gradient's copies at once
+    quantize_dy = lambda usage, dec=(): _quantize(dy2d, qs, "grad_output", usage, kdy, dy_state,  # noqa: E731
+                                                  decoded=dec)
+    qdy = sp.quantize(quantize_dy, qs.grad_output, both) if gathered else quantize_dy(both, now)
     w_col = saved_w.columnwise
     if wsh is not None and wsh.reshard_after_forward:
         w_col = wsh.gathered(w_col)  # the residual was saved sharded: re-gathered

@@ -100,6 +100,47 @@ def fast_accum_gemms() -> tuple:
     return FAST_ACCUM if spec is None else tuple(t.strip() for t in spec.split(",") if t.strip())
 
 
+# The formats whose copies are written decoded by default where the GEMMs dequantize (decoded_copies), by the
+# H100 training step (benchmarks/train_step.py --paths "default;env:JAXHQ_DECODED=0", one process, three rounds,
+# 2026-11-26): mxfp8 1.031x -> 1.010x bf16 (quick preset 1.226x -> 1.156x). NVFP4 did not gain (1.112x both ways;
+# quick 1.527x -> 1.552x): its quantize kernel is bound by instructions, and decoding adds some per element where
+# the dequantize pass it saves is cheap (half a byte of codes read per element).
+DECODED_FAMILIES = ("mxfp8",)
+
+
+def decoded_copies(quantizer, usage) -> tuple:
+    """The copies among `usage` that the quantize kernels write decoded (bf16 values, `Storage.decoded`) because
+    the GEMM that reads them dequantizes its operands first: the block-scaled GEMMs on Hopper (compute capability
+    9: a dequantize pass to bf16, then a bf16 GEMM) and the CPU handlers (JAXHQ_KERNELS=all), for the formats of
+    DECODED_FAMILIES. Writing the values once saves the pass its read of the codes and a launch. The dense op asks
+    this for the copies its GEMMs read at once (the forward's, the gradient's), never for the ones the backward
+    keeps (codes are smaller). JAXHQ_DECODED=0 turns it off, 1 asks for it for MXFP8 and NVFP4 wherever the GEMMs
+    dequantize (A/B timing and tests)."""
+    from ..formats.hybrid import side
+    mode = os.environ.get("JAXHQ_DECODED", "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"JAXHQ_DECODED must be auto, 0 or 1, got {mode!r}")
+    if mode == "0" or not _decoding_gemm(mode):
+        return ()
+    fams = ("mxfp8", "nvfp4") if mode == "1" else DECODED_FAMILIES
+    if os.environ.get("JAXHQ_MXFP8_GEMM") == "wgmma":  # that kernel reads codes
+        fams = tuple(f for f in fams if f != "mxfp8")
+    return tuple(a for a in usage if side(quantizer, a).name in fams)
+
+
+def _decoding_gemm(mode: str) -> bool:
+    """Whether this platform's MXFP8 / NVFP4 GEMMs dequantize their operands (see decoded_copies)."""
+    from ..ffi import gemm as K
+    if platform() == "cpu":
+        return cpu_kernels_on()
+    if not K.available():
+        return False
+    try:
+        return str(jax.devices()[0].compute_capability).split(".")[0] == "9"
+    except AttributeError:
+        return False
+
+
 def _with_fallback(kernel, fallback):
     """A table entry: the FFI kernel where it applies, else the previously registered implementation. The
     kernel runs as a partitioned call (jaxhq.ffi.partitioning.gemm): under a mesh each device multiplies its

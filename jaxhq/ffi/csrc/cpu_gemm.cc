@@ -37,11 +37,17 @@ struct Operand {
   const void* scale;
   int32_t fmt, opts;
   int64_t rows, k, batch;
+  bool decoded = false;  // data is the bf16 values [rows, k] (a kDecoded copy)
 };
 
 // Decodes batch element `g` of an operand to float32 [rows, k], block scales applied.
 std::vector<float> decode(const Operand& o, int64_t g) {
   std::vector<float> out(size_t(o.rows * o.k));
+  if (o.decoded) {
+    const uint16_t* v = static_cast<const uint16_t*>(o.data) + g * o.rows * o.k;
+    for (size_t i = 0; i < out.size(); ++i) out[i] = bf16_bits_to_f32(v[i]);
+    return out;
+  }
   float one = 1.0f;
   DequantizeArgs a;
   a.data = static_cast<const uint8_t*>(o.data) + g * data_bytes(o.fmt, o.rows, o.k);
@@ -126,8 +132,9 @@ ffi::Error dq_operand(const ffi::AnyBuffer& d, const ffi::AnyBuffer& s, int32_t 
   if (fmt != kMxE4M3 && fmt != kMxE5M2 && fmt != kNvfp4Fmt)
     return invalid(std::string(who) + ": unknown format " + std::to_string(fmt));
   int32_t f = fmt == kNvfp4Fmt ? kNvfp4 : kMxfp8;
-  *o = Operand{d.untyped_data(), s.untyped_data(), f, fmt == kMxE5M2 ? kE5M2 : 0, dd[dd.size() - 2], k, batch};
-  if (int64_t(d.size_bytes()) != batch * data_bytes(f, o->rows, k) ||
+  const bool dec = d.element_type() == ffi::DataType::BF16;
+  *o = Operand{d.untyped_data(), s.untyped_data(), f, fmt == kMxE5M2 ? kE5M2 : 0, dd[dd.size() - 2], k, batch, dec};
+  if (int64_t(d.size_bytes()) != batch * data_bytes(f, o->rows, k, dec) ||
       int64_t(s.size_bytes()) != batch * scale_bytes(f, o->rows, k))
     return invalid(std::string(who) + " data " + dims(d) + " / scales " + dims(s) + " do not match K = " +
                    std::to_string(k));

@@ -26,6 +26,11 @@ struct View {
   float operator()(int64_t r, int64_t c) const { return load(x, dtype, r * stride_r + c * stride_c); }
 };
 
+// Element i of a decoded copy (kDecoded): its value as bfloat16.
+void store_decoded(const CopySpec& s, int64_t i, float value) {
+  static_cast<uint16_t*>(s.data)[i] = f32_to_bf16_bits(value);
+}
+
 void fp8_tensor(const View& v, const CopySpec& s, float scale) {
   uint8_t* d = static_cast<uint8_t*>(s.data);
   bool e5 = s.opts & kE5M2;
@@ -46,7 +51,11 @@ void mxfp8(const View& v, const CopySpec& s) {
       uint8_t e = e8m0_round_up(round_to_dtype_sw(mx_q(a, e5), v.dtype));
       float inv = e8m0_reciprocal(e);
       sc[r * nb + b] = e;
-      for (int64_t c = c0; c < c1; ++c) d[r * v.C + c] = fp8_encode_sw(v(r, c) * inv, e5);
+      for (int64_t c = c0; c < c1; ++c) {
+        uint8_t code = fp8_encode_sw(v(r, c) * inv, e5);
+        if (s.opts & kDecoded) store_decoded(s, r * v.C + c, fp8_decode(code, e5) * e8m0_to_f32(e));
+        else d[r * v.C + c] = code;
+      }
     }
 }
 
@@ -93,7 +102,11 @@ void nvfp4(const View& v, const CopySpec& s, float genc, const uint32_t* seed, u
           code[j] = sr ? e2m1_code_sr(t, sr_bits(s0, s1, stream, uint64_t(r) + si.roff, uint64_t(c + j) + si.coff, si.cols))
                        : e2m1_code(t);
         }
-        d[r * pc + c / 2] = uint8_t(code[0] | (code[1] << 4));
+        if (s.opts & kDecoded) {
+          for (int j = 0; j < 2 && c + j < C; ++j) store_decoded(s, r * C + c + j, e2m1_value(code[j]) * dec);
+        } else {
+          d[r * pc + c / 2] = uint8_t(code[0] | (code[1] << 4));
+        }
       }
     }
 }
@@ -130,7 +143,7 @@ void one_copy(const View& v, const CopySpec& s, float scale, const uint32_t* see
 
 CopySpec offset(const CopySpec& s, int64_t b, int64_t r, int64_t c) {
   CopySpec o = s;
-  if (s.data) o.data = static_cast<uint8_t*>(s.data) + b * data_bytes(s.fmt, r, c);
+  if (s.data) o.data = static_cast<uint8_t*>(s.data) + b * data_bytes(s.fmt, r, c, s.opts & kDecoded);
   if (s.scale) o.scale = static_cast<uint8_t*>(s.scale) + b * quantize_scale_bytes(s.fmt, r, c);
   return o;
 }

@@ -42,7 +42,8 @@ inline Params make_params(const QuantizeArgs& a) {
   for (int s = 0; s < 2; ++s) {
     const int64_t R = s == 0 ? a.m : a.k, C = s == 0 ? a.k : a.m;
     p.side[s] = SideParams{cs[s]->fmt, cs[s]->opts, static_cast<uint8_t*>(cs[s]->data),
-                           static_cast<uint8_t*>(cs[s]->scale), R, C, data_bytes(cs[s]->fmt, R, C),
+                           static_cast<uint8_t*>(cs[s]->scale), R, C,
+                           data_bytes(cs[s]->fmt, R, C, cs[s]->opts & kDecoded),
                            quantize_scale_bytes(cs[s]->fmt, R, C)};
   }
   return p;
@@ -141,18 +142,32 @@ __device__ __forceinline__ void nvfp4_codes(const float (&v)[N], float enc, bool
   }
 }
 
-// N (4, 8 or 16) output bytes at dst: one vector store when all N lie in the row and `aligned`, else the
+// N (4, 8, 16 or 32) output bytes at dst: vector stores when all N lie in the row and `aligned`, else the
 // first `valid` of them byte by byte.
 template <int N>
 __device__ __forceinline__ void store_bytes(uint8_t* dst, const uint8_t (&out)[N], int64_t valid, bool aligned) {
-  using V = typename std::conditional<N == 16, uint4, typename std::conditional<N == 8, uint2, uint32_t>::type>::type;
+  constexpr int W = N < 16 ? N : 16;
+  using V = typename std::conditional<W == 16, uint4, typename std::conditional<W == 8, uint2, uint32_t>::type>::type;
   if (valid >= N && aligned) {
-    V vec;
-    memcpy(&vec, out, N);
-    *reinterpret_cast<V*>(dst) = vec;
+#pragma unroll
+    for (int i = 0; i < N / W; ++i) {
+      V vec;
+      memcpy(&vec, out + i * W, W);
+      reinterpret_cast<V*>(dst)[i] = vec;
+    }
   } else {
     for (int i = 0; i < N && i < valid; ++i) dst[i] = out[i];
   }
+}
+
+// A decoded copy's (kDecoded) N values of copy row gr from column gc, as bfloat16 (2N bytes), from their N / 2
+// value pairs.
+template <int N>
+__device__ __forceinline__ void store_decoded(const SideParams& sp, int64_t b, int64_t gr, int64_t gc,
+                                              const uint32_t (&pairs)[N / 2]) {
+  uint8_t out[2 * N];
+  memcpy(out, pairs, 2 * N);
+  store_bytes(sp.data + b * sp.dbytes + 2 * (gr * sp.C + gc), out, 2 * (sp.C - gc), sp.C % N == 0);
 }
 
 // MXFP8's E8M0 scale byte of a block from its amax (x's dtype T: the quotient is rounded to it first, as the
@@ -163,10 +178,11 @@ __device__ __forceinline__ uint8_t mx_scale_byte(float amax, bool e5) {
 }
 
 // An FP8 copy's N values of copy row gr from column gc, times the multiplier of their block (or tensor), encoded
-// and stored (the scales are the caller's).
+// and stored (the scales are the caller's). A decoded MXFP8 copy stores the codes' values times `dec`, the block's
+// scale.
 template <int N>
 __device__ __forceinline__ void encode_fp8_chunk(const SideParams& sp, int64_t b, int64_t gr, int64_t gc, float mult,
-                                                 const float (&v)[N]) {
+                                                 const float (&v)[N], float dec = 0.0f) {
   const int64_t C = sp.C;
   const bool e5 = sp.opts & kE5M2;
   uint8_t out[N];
@@ -174,6 +190,17 @@ __device__ __forceinline__ void encode_fp8_chunk(const SideParams& sp, int64_t b
   for (int i = 0; i < N / 2; ++i) {
     const uint16_t pair = fp8x2(v[2 * i] * mult, v[2 * i + 1] * mult, e5);
     memcpy(out + 2 * i, &pair, 2);
+  }
+  if (sp.opts & kDecoded) {
+    uint32_t pairs[N / 2];
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      float lo, hi;
+      fp8x2_values(uint16_t(out[2 * i] | (out[2 * i + 1] << 8)), e5, lo, hi);
+      pairs[i] = bf16x2_bits(lo * dec, hi * dec);
+    }
+    store_decoded<N>(sp, b, gr, gc, pairs);
+    return;
   }
   store_bytes(sp.data + b * sp.dbytes + gr * C + gc, out, C - gc, C % N == 0);
 }
@@ -214,6 +241,14 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
     const float enc = nvfp4_encode_mult(dec, tscale);
     uint8_t out[N / 2];  // |v| <= amax, so amax * enc finite (not NaN) bounds every v * enc
     nvfp4_codes<N, kMaySR>(v, enc, sp.opts & kStochastic, amax * enc <= 3.4e38f, p.seed + kSeedWords * b, s, gr, gc, C, out);
+    if (sp.opts & kDecoded) {
+      uint32_t pairs[N / 2];
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i)
+        pairs[i] = bf16x2_bits(e2m1_value(uint8_t(out[i] & 0xFu)) * dec, e2m1_value(uint8_t(out[i] >> 4)) * dec);
+      store_decoded<N>(sp, b, gr, gc, pairs);
+      return;
+    }
     const int64_t pc = (C + 1) / 2;
     store_bytes(data + gr * pc + gc / 2, out, (C - gc + 1) / 2, pc % (N / 2) == 0);
     return;
@@ -225,6 +260,8 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
     const uint8_t e = mx_scale_byte<T>(amax, sp.opts & kE5M2);
     mult = e8m0_reciprocal(e);
     if (gc % 32 == 0) scale[gr * ((C + 31) / 32) + gc / 32] = e;
+    encode_fp8_chunk(sp, b, gr, gc, mult, v, e8m0_to_f32(e));
+    return;
   } else {  // FP8 blockwise: 1x128 (a scale per row and 128 columns) or 128x128
     mult = block_scale(amax, sp.opts & kPow2);
     const int64_t nb = (C + 127) / 128;

@@ -74,10 +74,14 @@ inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const ffi::Buffer<
     return ffi::Error::InvalidArgument("jaxhq quantize: scales must be [batch, 2] or [batch, 1] and seed [batch, 6]");
   a->scales_per_batch = a->batch > 0 ? int32_t(ns / a->batch) : 2;
   a->amax_eps = amax_eps;
+  for (auto [fmt, opts] : {std::pair{row_fmt, row_opts}, std::pair{col_fmt, col_opts}})
+    if ((opts & kDecoded) && fmt != kMxfp8 && fmt != kNvfp4)
+      return ffi::Error::InvalidArgument("jaxhq quantize: only MXFP8 and NVFP4 copies can be decoded (format id " +
+                                         std::to_string(fmt) + ")");
   const int64_t B = a->batch, M = a->m, K = a->k;
-  if (auto e = check_bytes("row data", *rd, B * data_bytes(row_fmt, M, K)); e.failure()) return e;
+  if (auto e = check_bytes("row data", *rd, B * data_bytes(row_fmt, M, K, row_opts & kDecoded)); e.failure()) return e;
   if (auto e = check_bytes("row scale", *rs, B * quantize_scale_bytes(row_fmt, M, K)); e.failure()) return e;
-  if (auto e = check_bytes("col data", *cd, B * data_bytes(col_fmt, K, M)); e.failure()) return e;
+  if (auto e = check_bytes("col data", *cd, B * data_bytes(col_fmt, K, M, col_opts & kDecoded)); e.failure()) return e;
   if (auto e = check_bytes("col scale", *cs, B * quantize_scale_bytes(col_fmt, K, M)); e.failure()) return e;
   // the amax output: empty (not asked for) or float32 [batch]
   if (amax->size_bytes() != 0) {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #if defined(__CUDACC__)
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #endif
@@ -37,6 +38,9 @@ enum Option : int32_t {
   kFromAmax = 32,   // FP8 per-tensor: the input scalar is the amax; the scale is tensor_scale of it
   kBf16Input = 64,  // the copy is made from float32 x rounded to bfloat16 as it is read (x.astype(bfloat16)); the
                     // two copies of a launch agree (the launch reads x once)
+  kDecoded = 128,   // MXFP8 / NVFP4: the data output holds the copy's values instead of its codes, bfloat16 [R, C]:
+                    // each code times its block's scale (NVFP4: not the global one), exactly what the GEMMs'
+                    // dequantize pass writes for a bf16 GEMM (exact in bfloat16 within its range); scales as usual
 };
 // kF32AsBF16: float32 in memory, its values the bfloat16 roundings (kBf16Input), so the copies equal those of
 // x.astype(bfloat16) without that copy of x being written.
@@ -226,6 +230,29 @@ JHQ_HD uint8_t e2m1_code_sr(float y, uint32_t k) {
 JHQ_HD float e2m1_value(uint8_t c) {
   float x = e2m1_grid(c & 7);
   return (c & 8) ? -x : x;
+}
+
+// A decoded copy's (kDecoded) two values as the bits of a bfloat16 pair (low half: a), rounded to nearest even: the
+// hardware conversion on the GPU, which the GEMMs' dequantize pass uses too (NaN payloads aside, the same bits).
+JHQ_HD uint32_t bf16x2_bits(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  uint32_t u;
+  memcpy(&u, &h, 4);
+  return u;
+#else
+  return uint32_t(f32_to_bf16_bits(a)) | (uint32_t(f32_to_bf16_bits(b)) << 16);
+#endif
+}
+// The values of two FP8 codes (low byte first): the hardware conversion on the GPU, fp8_decode elsewhere.
+JHQ_HD void fp8x2_values(uint16_t pair, bool e5m2, float& lo, float& hi) {
+#if defined(__CUDA_ARCH__)
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair), e5m2 ? __NV_E5M2 : __NV_E4M3);
+  const float2 f = __half22float2(__half2(h));
+  lo = f.x, hi = f.y;
+#else
+  lo = fp8_decode(uint8_t(pair & 0xFFu), e5m2), hi = fp8_decode(uint8_t(pair >> 8), e5m2);
+#endif
 }
 
 // NVFP4 per-block scales (nvfp4.quantize_2d): decode = e4m3(min(amax_b / 6 * genc, 448)) and the encode

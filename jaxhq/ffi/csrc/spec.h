@@ -13,7 +13,7 @@ namespace jaxhq {
 struct CopySpec {
   int32_t fmt = 0;       // Format
   int32_t opts = 0;      // Option bits
-  void* data = nullptr;  // fp8 [R, C] or packed fp4 [R, ceil(C/2)]
+  void* data = nullptr;  // fp8 [R, C] or packed fp4 [R, ceil(C/2)]; kDecoded: bf16 values [R, C]
   void* scale = nullptr; // per-block scales (layout per format); kFp8Tensor: the f32 scale_inv
 };
 
@@ -49,9 +49,11 @@ JHQ_SPEC_HD inline float side_scalar(const float* scales, int32_t per_batch, int
 }
 
 // Bytes per batch element of each output, for a copy of shape [R, C]; the quantize kernel's scale output of a
-// per-tensor copy is its f32 scale_inv (quantize_scale_bytes), the dequantize kernel reads none.
-JHQ_SPEC_HD inline int64_t data_bytes(int32_t fmt, int64_t r, int64_t c) {
+// per-tensor copy is its f32 scale_inv (quantize_scale_bytes), the dequantize kernel reads none. `decoded`: the
+// copy's data is its bf16 values (option kDecoded).
+JHQ_SPEC_HD inline int64_t data_bytes(int32_t fmt, int64_t r, int64_t c, bool decoded = false) {
   if (fmt == 0) return 0;
+  if (decoded) return 2 * r * c;
   return fmt == 3 ? r * ((c + 1) / 2) : r * c;
 }
 JHQ_SPEC_HD inline int64_t scale_bytes(int32_t fmt, int64_t r, int64_t c) {

@@ -602,11 +602,20 @@ ffi::Error check_dq(const ffi::AnyBuffer& x, const ffi::AnyBuffer& s, int64_t gr
   return ffi::Error::Success();
 }
 
+// A decoded operand (the quantize kernels' kDecoded copies: bfloat16 [rows, K], the values the dequantize pass
+// would write) is used where it lies.
+bool decoded(const ffi::AnyBuffer& x) { return x.element_type() == ffi::DataType::BF16; }
+
 ffi::Error dequant(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuffer& x, const ffi::AnyBuffer& s,
                    int32_t fmt, int64_t k, const char* which, void** out, int64_t* rows) {
   auto d = x.dimensions();
   if (d.size() != 2) return invalid(std::string(which) + " data must be 2D, got " + dims(x));
   *rows = d[0];
+  if (decoded(x)) {
+    if (d[1] != k) return invalid(std::string(which) + " is decoded " + dims(x) + ", K = " + std::to_string(k));
+    *out = const_cast<void*>(x.untyped_data());
+    return ffi::Error::Success();
+  }
   if (auto e = check_dq(x, s, 1, d[0], fmt, k, which); e.failure()) return e;
   return dequant_ptr(stream, scratch, static_cast<const uint8_t*>(x.untyped_data()),
                      static_cast<const uint8_t*>(s.untyped_data()), d[0], fmt, k, out);
@@ -655,7 +664,7 @@ ffi::Error gemm_dq(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi
                    ffi::Result<ffi::AnyBuffer> out, int32_t fmt_a, int32_t fmt_b, int64_t k, int32_t accumulate,
                    ffi::Result<ffi::AnyBuffer> workspace) {
   Scratch scratch{workspace};
-  if (native_block_scaling() && k % 32 == 0 && !(fmt_a == kMxE5M2 && fmt_b == kMxE5M2)) {
+  if (native_block_scaling() && k % 32 == 0 && !(fmt_a == kMxE5M2 && fmt_b == kMxE5M2) && !decoded(a) && !decoded(b)) {
     auto da = a.dimensions(), db = b.dimensions();
     if (da.size() != 2 || db.size() != 2) return invalid("A and B data must be 2D");
     LtCall c{};

@@ -56,8 +56,9 @@ __device__ __forceinline__ float e8m0_value(uint8_t e) {
 }
 
 __device__ __forceinline__ float2 fp8x2_to_float2(uint16_t v, bool e5m2) {
-  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v), e5m2 ? __NV_E5M2 : __NV_E4M3);
-  return __half22float2(__half2(h));
+  float2 f;
+  fp8x2_values(v, e5m2, f.x, f.y);
+  return f;
 }
 
 __global__ void mxfp8_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scales, int64_t rows,
