@@ -78,6 +78,8 @@ def emu(tmp_path_factory):
     lib.emu_stage_scales.argtypes = [ptr, i64, i64, ptr, i64, i64, i32] * 2 + [i32]
     lib.emu_e2m1_mismatches.argtypes = [ctypes.c_uint32, ctypes.c_uint32]
     lib.emu_e2m1_mismatches.restype = ctypes.c_uint64
+    lib.emu_e2m1_value_mismatches.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32]
+    lib.emu_e2m1_value_mismatches.restype = ctypes.c_uint64
     lib.emu_e2m1_sr_mismatches.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32,
                                            ctypes.POINTER(ctypes.c_uint64)]
     lib.emu_e2m1_sr_mismatches.restype = ctypes.c_uint64
@@ -176,6 +178,18 @@ def test_e2m1_short_rounding_equals_reference_forms_on_every_float(emu):
     # the window holds the floats within 2^-24 of a threshold a = lo + u / 2: at most 2^18 (k = 0xFFFF puts it
     # near 2^-18, where floats are 2^-41 apart), a handful elsewhere
     assert all(near <= 2 ** 19 for _, near in got[2:]), got
+
+
+def test_e2m1_values_equal_the_values_of_the_codes_on_every_float(emu):
+    """Decoded NVFP4 copies take each element's rounded value straight from the rounding (numerics.h e2m1_round*)
+    instead of decoding its code: the same bits as e2m1_value of the code (signed zeros and NaN inputs included),
+    nearest and stochastic (k = 0x8000 on every float; the extreme draws 0 and 0xFFFF on every magnitude up to 8
+    of both signs). ctypes releases the GIL: two threads."""
+    from concurrent.futures import ThreadPoolExecutor
+    jobs = [(0, 0x7FFFFFFF, 0x8000), (0x80000000, 0xFFFFFFFF, 0x8000)]
+    jobs += [(lo, lo + 0x41000000, k) for k in (0, 0xFFFF) for lo in (0, 0x80000000)]
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(lambda j: emu.emu_e2m1_value_mismatches(*j), jobs)) == [0] * len(jobs)
 
 
 @pytest.mark.parametrize("q,shape,dtype_id,batch", list(_cases()),

@@ -125,6 +125,25 @@ uint64_t emu_e2m1_mismatches(uint32_t lo, uint32_t hi) {
   return bad;
 }
 
+// Bit patterns y in [lo, hi] where a decoded copy's element (e2m1_round*: the rounded value itself) differs in
+// its bits from the value of the code the same rounding gives (e2m1_value of e2m1_code*), for nearest (every y,
+// and the finite form for every y but NaN) and stochastic rounding with bits k (both forms).
+uint64_t emu_e2m1_value_mismatches(uint32_t lo, uint32_t hi, uint32_t k) {
+  using namespace jaxhq;
+  uint64_t bad = 0;
+  auto differ = [](float a, float b) { return f2u(a) != f2u(b); };
+  for (uint64_t i = lo; i <= hi; ++i) {
+    const float y = u2f(uint32_t(i));
+    bad += differ(e2m1_round(y), e2m1_value(e2m1_code(y)));
+    bad += differ(e2m1_round_sr<false>(y, k), e2m1_value(e2m1_code_sr<false>(y, k)));
+    if (!is_nan(y)) {
+      bad += differ(e2m1_round_finite(y), e2m1_value(e2m1_code_finite(y)));
+      bad += differ(e2m1_round_sr<true>(y, k), e2m1_value(e2m1_code_sr<true>(y, k)));
+    }
+  }
+  return bad;
+}
+
 // Bit patterns y in [lo, hi] where the kernels' stochastic E2M1 rounding (e2m1_code_sr) with random bits k
 // differs from its definition, computed in double: lo = the largest grid value <= a = min(|y|, 6), up when
 // (a - lo) / (hi - lo) >= 1 - (64 k + 31) / 2^22; NaN encodes 0 | sign. Below 1 the kernels round a + 1 to

@@ -127,7 +127,7 @@ __device__ __forceinline__ void chunk_amaxes(const Params& p, Smem<T>& sm, int s
 }
 
 // Phase B of side s: each chunk's block amax, then encode and store.
-template <typename T, bool kSR>
+template <typename T, bool kSR, bool kDec>
 __device__ __forceinline__ void encode_tile_side(const Params& p, const Smem<T>& sm, int s, int64_t b, int64_t r0,
                                                  int64_t c0, float ts) {
   const SideParams& sp = p.side[s];
@@ -155,14 +155,15 @@ __device__ __forceinline__ void encode_tile_side(const Params& p, const Smem<T>&
     } else if (fmt == kFp8Block2) {
       a = sm.tamax[s];
     }
-    encode_chunk<16, T, kAnyFormat, kSR>(p, s, b, gr, gc, a, ts, v);
+    encode_chunk<16, T, kAnyFormat, kSR, kDec>(p, s, b, gr, gc, a, ts, v);
   }
 }
 
-// kSR: a side rounds stochastically (its own instantiation, see nvfp4_codes). Five CTAs per SM (the shared
-// memory allows five for 16-bit inputs): 48 registers, no spills, for either instantiation.
-template <typename In, typename T, bool kSR>
-__global__ void __launch_bounds__(kThreads, 5) quantize_tile_kernel(Params p) {
+// kSR: a side rounds stochastically (its own instantiation, see nvfp4_elements); kDec: an NVFP4 side is decoded
+// (likewise: that path's registers would cost the others). Five CTAs per SM (the shared memory allows five for
+// 16-bit inputs): 48 registers, no spills; four for the stochastic and decoded one (at 48 it spilled 88 bytes).
+template <typename In, typename T, bool kSR, bool kDec>
+__global__ void __launch_bounds__(kThreads, kSR && kDec ? 4 : 5) quantize_tile_kernel(Params p) {
   Smem<T>& sm = *dynamic_smem<Smem<T>>();
   const int64_t b = blockIdx.z;
   const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
@@ -207,8 +208,8 @@ __global__ void __launch_bounds__(kThreads, 5) quantize_tile_kernel(Params p) {
     }
   }
   __syncthreads();
-  encode_tile_side<T, kSR>(p, sm, 0, b, r0, c0, ts[0]);
-  encode_tile_side<T, kSR>(p, sm, 1, b, r0, c0, ts[1]);
+  encode_tile_side<T, kSR, kDec>(p, sm, 0, b, r0, c0, ts[0]);
+  encode_tile_side<T, kSR, kDec>(p, sm, 1, b, r0, c0, ts[1]);
 }
 
 // JAXHQ_QUANTIZE_VARIANT = registers (default) | alternating: the kernel the FFI handlers launch (the same
@@ -224,10 +225,14 @@ int default_variant() {
 template <typename In, typename T = In>
 std::string launch_t(const Params& p, int64_t batch, cudaStream_t s) {
   dim3 grid(unsigned((p.k + kTile - 1) / kTile), unsigned((p.m + kTile - 1) / kTile), unsigned(batch));
-  const bool sr = ((p.side[0].fmt == kNvfp4 && (p.side[0].opts & kStochastic)) ||
-                   (p.side[1].fmt == kNvfp4 && (p.side[1].opts & kStochastic)));
-  if (sr) launch_kernel(quantize_tile_kernel<In, T, true>, grid, dim3(kThreads), sizeof(Smem<T>), s, p);
-  else launch_kernel(quantize_tile_kernel<In, T, false>, grid, dim3(kThreads), sizeof(Smem<T>), s, p);
+  auto nvfp4_with = [&](int opt) {
+    return (p.side[0].fmt == kNvfp4 && (p.side[0].opts & opt)) || (p.side[1].fmt == kNvfp4 && (p.side[1].opts & opt));
+  };
+  const bool sr = nvfp4_with(kStochastic), dec = nvfp4_with(kDecoded);
+  if (sr && dec) launch_kernel(quantize_tile_kernel<In, T, true, true>, grid, dim3(kThreads), sizeof(Smem<T>), s, p);
+  else if (sr) launch_kernel(quantize_tile_kernel<In, T, true, false>, grid, dim3(kThreads), sizeof(Smem<T>), s, p);
+  else if (dec) launch_kernel(quantize_tile_kernel<In, T, false, true>, grid, dim3(kThreads), sizeof(Smem<T>), s, p);
+  else launch_kernel(quantize_tile_kernel<In, T, false, false>, grid, dim3(kThreads), sizeof(Smem<T>), s, p);
   return cuda_status();
 }
 

@@ -53,36 +53,51 @@ template <typename T> __device__ constexpr int dtype_id() { return kF32; }
 template <> __device__ constexpr int dtype_id<__nv_bfloat16>() { return kBF16; }
 template <> __device__ constexpr int dtype_id<__half>() { return kF16; }
 
-// The E2M1 codes of N values (N even) of copy row gr from column gc, two per byte (the even column in the low
-// nibble; columns at or past C encode 0): v * enc clipped to +-6, rounded to nearest even or, with `sr`,
-// stochastically by global position (numerics.h sr_bits: a hash per two columns). The clip is implicit:
-// e2m1_code saturates and passes NaN as the clip does, e2m1_code_sr clips itself. `finite`: every v * enc is
-// finite, so the shorter forms apply. The choices are made once per chunk (each path is its own unrolled loop).
-template <int N, typename Code>
-__device__ __forceinline__ void e2m1_pack(const float (&v)[N], float enc, int64_t valid, Code code_of,
-                                          uint8_t (&out)[N / 2]) {
+// The E2M1 elements of N values (N even) of copy row gr from column gc: v * enc clipped to +-6, rounded to nearest
+// even or, with `sr`, stochastically by global position (numerics.h sr_bits: a hash per two columns). The clip is
+// implicit: the rounding functions saturate and pass NaN as the clip does. `finite`: every v * enc is finite, so
+// the shorter forms apply. The choices are made once per chunk (each path is its own unrolled loop). An element is
+// its code (E: Codes) or its value (E: Values, for decoded copies: numerics.h e2m1_round*, equal to the code's
+// value); columns at or past C give 0. `put(i, e0, e1)` takes elements 2i and 2i + 1.
+struct Codes {
+  using T = uint32_t;
+  JHQ_HD static T nearest(float y) { return e2m1_code(y); }
+  JHQ_HD static T nearest_finite(float y) { return e2m1_code_finite(y); }
+  template <bool kFinite> JHQ_HD static T sr(float y, uint32_t k) { return e2m1_code_sr<kFinite>(y, k); }
+};
+struct Values {
+  using T = float;
+  JHQ_HD static T nearest(float y) { return e2m1_round(y); }
+  JHQ_HD static T nearest_finite(float y) { return e2m1_round_finite(y); }
+  template <bool kFinite> JHQ_HD static T sr(float y, uint32_t k) { return e2m1_round_sr<kFinite>(y, k); }
+};
+
+template <int N, typename E, typename Elem, typename Put>
+__device__ __forceinline__ void e2m1_pack(const float (&v)[N], float enc, int64_t valid, Elem elem_of, Put put) {
+  using T = typename E::T;
   auto pack = [&](auto masked) {
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) {
-      uint32_t c0 = code_of(v[2 * i] * enc, 2 * i), c1 = code_of(v[2 * i + 1] * enc, 2 * i + 1);
+      T c0 = elem_of(v[2 * i] * enc, 2 * i), c1 = elem_of(v[2 * i + 1] * enc, 2 * i + 1);
       if (decltype(masked)::value) {
-        c0 = 2 * i < valid ? c0 : 0u;
-        c1 = 2 * i + 1 < valid ? c1 : 0u;
+        c0 = 2 * i < valid ? c0 : T(0);
+        c1 = 2 * i + 1 < valid ? c1 : T(0);
       }
-      out[i] = uint8_t(c0 | (c1 << 4));
+      put(i, c0, c1);
     }
   };
   if (valid >= N) pack(std::false_type{});
   else pack(std::true_type{});
 }
 
-// Stochastic codes of a chunk whose N columns' hash pairs do not cross a 2^32 boundary of the pair index: one
+// Stochastic elements of a chunk whose N columns' hash pairs do not cross a 2^32 boundary of the pair index: one
 // key, N / 2 hashes when the chunk starts on an even global column (element 2i: the low half of pair q0 + i,
 // 2i + 1: the high half), N / 2 + 1 when odd (element 2i: the high half of pair q0 + i, 2i + 1: the low half of
 // q0 + i + 1).
-template <int N, bool kFinite>
+template <int N, typename E, bool kFinite, typename Put>
 __device__ __forceinline__ void e2m1_pack_sr(const float (&v)[N], float enc, int64_t valid, uint32_t key,
-                                             uint32_t q0, bool odd, uint8_t (&out)[N / 2]) {
+                                             uint32_t q0, bool odd, Put put) {
+  using T = typename E::T;
   auto pack = [&](auto masked, auto odd_start) {
     uint32_t h = odd_start ? mix32(key ^ q0) : 0u;
 #pragma unroll
@@ -97,12 +112,12 @@ __device__ __forceinline__ void e2m1_pack_sr(const float (&v)[N], float enc, int
         k0 = h & 0xFFFFu;
         k1 = h >> 16;
       }
-      uint32_t c0 = e2m1_code_sr<kFinite>(v[2 * i] * enc, k0), c1 = e2m1_code_sr<kFinite>(v[2 * i + 1] * enc, k1);
+      T c0 = E::template sr<kFinite>(v[2 * i] * enc, k0), c1 = E::template sr<kFinite>(v[2 * i + 1] * enc, k1);
       if (decltype(masked)::value) {
-        c0 = 2 * i < valid ? c0 : 0u;
-        c1 = 2 * i + 1 < valid ? c1 : 0u;
+        c0 = 2 * i < valid ? c0 : T(0);
+        c1 = 2 * i + 1 < valid ? c1 : T(0);
       }
-      out[i] = uint8_t(c0 | (c1 << 4));
+      put(i, c0, c1);
     }
   };
   if (odd) {
@@ -116,10 +131,10 @@ __device__ __forceinline__ void e2m1_pack_sr(const float (&v)[N], float enc, int
 
 // kMaySR: the kernel takes stochastic copies (a separate instantiation: the stochastic path's registers would
 // cost the others occupancy).
-template <int N, bool kMaySR>
-__device__ __forceinline__ void nvfp4_codes(const float (&v)[N], float enc, bool sr, bool finite,
-                                            const uint32_t* seed, int side, int64_t gr, int64_t gc, int64_t C,
-                                            uint8_t (&out)[N / 2]) {
+template <int N, bool kMaySR, typename E, typename Put>
+__device__ __forceinline__ void nvfp4_elements(const float (&v)[N], float enc, bool sr, bool finite,
+                                               const uint32_t* seed, int side, int64_t gr, int64_t gc, int64_t C,
+                                               Put put) {
   const int64_t valid = C - gc;  // columns of this chunk inside the copy
   if (kMaySR && sr) {
     const SrIndex si = sr_index(seed, side);
@@ -128,17 +143,17 @@ __device__ __forceinline__ void nvfp4_codes(const float (&v)[N], float enc, bool
     const uint32_t s0 = seed[0], s1 = seed[1];
     if (uint32_t(q0) <= 0xFFFFFFFFu - N) {  // the chunk's pairs share their high word: one key
       const uint32_t key = sr_key(s0, s1, uint32_t(side), uint32_t(q0 >> 32));
-      if (finite) e2m1_pack_sr<N, true>(v, enc, valid, key, uint32_t(q0), col & 1, out);
-      else e2m1_pack_sr<N, false>(v, enc, valid, key, uint32_t(q0), col & 1, out);
+      if (finite) e2m1_pack_sr<N, E, true>(v, enc, valid, key, uint32_t(q0), col & 1, put);
+      else e2m1_pack_sr<N, E, false>(v, enc, valid, key, uint32_t(q0), col & 1, put);
     } else {
-      e2m1_pack(v, enc, valid, [&](float q, int e) -> uint32_t {
-        return e2m1_code_sr(q, sr_bits(s0, s1, uint32_t(side), row, col + uint64_t(e), si.cols));
-      }, out);
+      e2m1_pack<N, E>(v, enc, valid, [&](float q, int e) {
+        return E::template sr<false>(q, sr_bits(s0, s1, uint32_t(side), row, col + uint64_t(e), si.cols));
+      }, put);
     }
   } else if (finite) {
-    e2m1_pack(v, enc, valid, [](float q, int) -> uint32_t { return e2m1_code_finite(q); }, out);
+    e2m1_pack<N, E>(v, enc, valid, [](float q, int) { return E::nearest_finite(q); }, put);
   } else {
-    e2m1_pack(v, enc, valid, [](float q, int) -> uint32_t { return e2m1_code(q); }, out);
+    e2m1_pack<N, E>(v, enc, valid, [](float q, int) { return E::nearest(q); }, put);
   }
 }
 
@@ -224,9 +239,9 @@ __device__ __forceinline__ void write_scale_inv(const Params& p, int64_t b, cons
 // the copy's scalar (copy_scalar), encoded and stored; the chunk that starts a block also writes the block's
 // scale. Both kernels call this, so the numerics (numerics.h, as the CPU handlers) and the layouts are written
 // once. F: the side's format when the caller fixes it at compile time (only that format's code is emitted), or
-// kAnyFormat to read it from the parameters; kMaySR: NVFP4 copies may round stochastically (nvfp4_codes).
+// kAnyFormat to read it from the parameters; kMaySR: NVFP4 copies may round stochastically (nvfp4_elements).
 constexpr int kAnyFormat = -1;
-template <int N, typename T, int F = kAnyFormat, bool kMaySR = false>
+template <int N, typename T, int F = kAnyFormat, bool kMaySR = false, bool kMayDecodeFp4 = false>
 __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, int64_t gr, int64_t gc, float amax,
                                              float tscale, const float (&v)[N]) {
   const SideParams& sp = p.side[s];
@@ -239,16 +254,21 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
     const float dec = e4m3_value(sbyte);
     if (gc % 16 == 0) scale[gr * ((C + 15) / 16) + gc / 16] = sbyte;
     const float enc = nvfp4_encode_mult(dec, tscale);
-    uint8_t out[N / 2];  // |v| <= amax, so amax * enc finite (not NaN) bounds every v * enc
-    nvfp4_codes<N, kMaySR>(v, enc, sp.opts & kStochastic, amax * enc <= 3.4e38f, p.seed + kSeedWords * b, s, gr, gc, C, out);
-    if (sp.opts & kDecoded) {
+    // |v| <= amax, so amax * enc finite (not NaN) bounds every v * enc
+    const bool sr = sp.opts & kStochastic, finite = amax * enc <= 3.4e38f;
+    const uint32_t* seed = p.seed + kSeedWords * b;
+    if (kMayDecodeFp4 && (sp.opts & kDecoded)) {  // the values (times the block's scale) instead of the codes
       uint32_t pairs[N / 2];
-#pragma unroll
-      for (int i = 0; i < N / 2; ++i)
-        pairs[i] = bf16x2_bits(e2m1_value(uint8_t(out[i] & 0xFu)) * dec, e2m1_value(uint8_t(out[i] >> 4)) * dec);
+      nvfp4_elements<N, kMaySR, Values>(v, enc, sr, finite, seed, s, gr, gc, C, [&](int i, float a, float c) {
+        pairs[i] = bf16x2_bits(a * dec, c * dec);
+      });
       store_decoded<N>(sp, b, gr, gc, pairs);
       return;
     }
+    uint8_t out[N / 2];
+    nvfp4_elements<N, kMaySR, Codes>(v, enc, sr, finite, seed, s, gr, gc, C, [&](int i, uint32_t c0, uint32_t c1) {
+      out[i] = uint8_t(c0 | (c1 << 4));
+    });
     const int64_t pc = (C + 1) / 2;
     store_bytes(data + gr * pc + gc / 2, out, (C - gc + 1) / 2, pc % (N / 2) == 0);
     return;

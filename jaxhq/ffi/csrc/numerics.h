@@ -231,6 +231,29 @@ JHQ_HD float e2m1_value(uint8_t c) {
   float x = e2m1_grid(c & 7);
   return (c & 8) ? -x : x;
 }
+// The values of the E2M1 roundings above, for decoded copies: e2m1_value of e2m1_code_finite(y), e2m1_code(y) and
+// e2m1_code_sr(y, k), without forming the code (checked on every float: tests/test_cuda_emu.py). Nearest: the
+// float addition of e2m1_nearest rounds a to the grid, so r - M is the value (both in M's binade: exact).
+// Stochastic: t's bits after the carry, cut below the kept mantissa bit, are the value (minus the 1 added below 1).
+JHQ_HD float e2m1_round_finite(float y) {
+  const float a = fminf(fabsf(y), 6.0f);
+  const uint32_t eb = f2u(a) & 0xFF800000u, pow = eb > 0x3F800000u ? eb : 0x3F800000u;
+  const float m = u2f(pow + (22u << 23));
+  return u2f(f2u((a + m) - m) | (f2u(y) & 0x80000000u));
+}
+JHQ_HD float e2m1_round(float y) {
+  return is_nan(y) ? u2f(f2u(y) & 0x80000000u) : e2m1_round_finite(y);
+}
+template <bool kFinite = false>
+JHQ_HD float e2m1_round_sr(float y, uint32_t k) {
+  const float a = kFinite ? fminf(fabsf(y), 6.0f) : nmin(fabsf(y), 6.0f);
+  const bool sub = a < 1.0f;
+  const float t = sub ? a + 1.0f : a;
+  float v = u2f((f2u(t) + (k << 6) + 31u) & 0xFFC00000u);
+  v = sub ? v - 1.0f : v;
+  if (!kFinite && is_nan(a)) v = 0.0f;
+  return u2f(f2u(v) | (f2u(y) & 0x80000000u));
+}
 
 // A decoded copy's (kDecoded) two values as the bits of a bfloat16 pair (low half: a), rounded to nearest even: the
 // hardware conversion on the GPU, which the GEMMs' dequantize pass uses too (NaN payloads aside, the same bits).
