@@ -166,14 +166,13 @@ def test_float32_master_kernel_equals_its_bf16_cast(name, kernels, monkeypatch):
 def test_decoded_copies_give_the_same_results_as_codes(name, monkeypatch):
     """Where the block-scaled GEMMs dequantize their operands (Hopper; the CPU handlers under JAXHQ_KERNELS=all),
     the copies a GEMM reads at once (x's and w's rowwise, both of the gradient's) may be written decoded (bf16
-    values; JAXHQ_DECODED=1 for NVFP4 too) while the ones the backward keeps stay codes; y, dx, dw and db equal
-    those of the codes bit for bit (JAXHQ_DECODED=0). By default MXFP8 copies are decoded, NVFP4 ones not."""
+    values) while the ones the backward keeps stay codes; y, dx, dw and db equal those of the codes bit for bit
+    (JAXHQ_DECODED=0). Per-tensor and blockwise FP8 copies are never decoded."""
     from jaxhq.ops.gemm import decoded_copies
     monkeypatch.setenv("JAXHQ_KERNELS", "all")
     both = (ROWWISE, COLUMNWISE)
-    assert decoded_copies(MXFP8(), both) == both and decoded_copies(NVFP4(), both) == ()
-    assert decoded_copies(Hybrid(MXFP8(), NVFP4()), both) == (ROWWISE,)
-    monkeypatch.setenv("JAXHQ_DECODED", "1")
+    assert decoded_copies(MXFP8(), both) == both and decoded_copies(NVFP4(), both) == both
+    assert decoded_copies(Hybrid(MXFP8(), Float8CurrentScaling()), both) == (ROWWISE,)
     qs = CASES[name]
     x, w, b, g = rand(40, (M, K), jnp.bfloat16), rand(41, (K, N)) * 0.1, rand(42, (N,), jnp.bfloat16), \
         rand(43, (M, N), jnp.bfloat16)

@@ -100,12 +100,11 @@ def fast_accum_gemms() -> tuple:
     return FAST_ACCUM if spec is None else tuple(t.strip() for t in spec.split(",") if t.strip())
 
 
-# The formats whose copies are written decoded by default where the GEMMs dequantize (decoded_copies), by the
-# H100 training step (benchmarks/train_step.py --paths "default;env:JAXHQ_DECODED=0", one process, three rounds,
-# 2026-11-26): mxfp8 1.031x -> 1.010x bf16 (quick preset 1.226x -> 1.156x). NVFP4 did not gain (1.112x both ways;
-# quick 1.527x -> 1.552x): its quantize kernel is bound by instructions, and decoding adds some per element where
-# the dequantize pass it saves is cheap (half a byte of codes read per element).
-DECODED_FAMILIES = ("mxfp8",)
+# The formats whose copies are written decoded where the GEMMs dequantize (decoded_copies), by the H100 training
+# step (benchmarks/train_step.py --paths, one process, three rounds, 2026-11-26, decoded against codes): mxfp8
+# 1.031x -> 1.010x bf16 (quick preset 1.226x -> 1.156x); nvfp4 1.102x -> 1.071x (quick 1.504x -> 1.437x) once its
+# decoded elements came from the rounding itself (decoding the codes, it gained nothing: 1.112x both ways).
+DECODED_FAMILIES = ("mxfp8", "nvfp4")
 
 
 def decoded_copies(quantizer, usage) -> tuple:
@@ -114,8 +113,8 @@ def decoded_copies(quantizer, usage) -> tuple:
     9: a dequantize pass to bf16, then a bf16 GEMM) and the CPU handlers (JAXHQ_KERNELS=all), for the formats of
     DECODED_FAMILIES. Writing the values once saves the pass its read of the codes and a launch. The dense op asks
     this for the copies its GEMMs read at once (the forward's, the gradient's), never for the ones the backward
-    keeps (codes are smaller). JAXHQ_DECODED=0 turns it off, 1 asks for it for MXFP8 and NVFP4 wherever the GEMMs
-    dequantize (A/B timing and tests)."""
+    keeps (codes are smaller). JAXHQ_DECODED=0 turns it off, 1 asks for it for MXFP8 and NVFP4 whatever
+    DECODED_FAMILIES holds (A/B timing and tests)."""
     from ..formats.hybrid import side
     mode = os.environ.get("JAXHQ_DECODED", "auto")
     if mode not in ("auto", "0", "1"):
