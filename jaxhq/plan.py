@@ -9,6 +9,7 @@ import jax
 
 from .formats import COLUMNWISE, ROWWISE, side
 from .formats.quantize import copy_path
+from .ops.gemm import decoded_copies
 from .recipes import CustomRecipe, get
 from .roles import QuantizerRole
 
@@ -21,7 +22,8 @@ class PlanRow:
     role: QuantizerRole
     rowwise: str
     columnwise: str
-    path: str = ""  # how the copies are made here: "kernel" or "xla" per copy, "rowwise|columnwise"
+    path: str = ""  # how the copies are made here: "kernel" (+"decoded": bf16 values for a GEMM that dequantizes,
+    # jaxhq.ops.gemm.decoded_copies) or "xla" per copy, "rowwise|columnwise"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +61,13 @@ def plan(recipe, roles_or_model: Iterable[QuantizerRole] = (), *example_inputs) 
     rows = []
     for role in roles:
         q = rec.quantizer(role)
-        path = "|".join(copy_path(q, a, platform) if side(q, a).name != "identity" else "-"
-                        for a in (ROWWISE, COLUMNWISE))
+        # the dense op decodes the copies its GEMMs read at once: the forward's, and both of the gradient
+        now = (ROWWISE, COLUMNWISE) if role.tensor_type == "grad_output" else (ROWWISE,)
+        decoded = decoded_copies(q, now) if role.module_type == "linear" else ()
+
+        def how(a):
+            p = copy_path(q, a, platform)
+            return p + "+decoded" if p == "kernel" and a in decoded else p
+        path = "|".join(how(a) if side(q, a).name != "identity" else "-" for a in (ROWWISE, COLUMNWISE))
         rows.append(PlanRow(role, side(q, ROWWISE).label, side(q, COLUMNWISE).label, path))
     return Plan(rec.name, tuple(rows))

@@ -91,10 +91,14 @@ def test_amax_path(kernels_everywhere, q, dtype):
 
 
 def test_plan_shows_the_path(kernels_everywhere):
+    """The path of each copy, and which kernel-made copies are decoded (the forward's rowwise one here: the CPU
+    handlers dequantize, as Hopper's GEMMs do)."""
     kernels_everywhere.setenv("JAXHQ_QUANTIZE_PATH", "nvfp4=xla")
     role = jaxhq.QuantizerRole("linear", "input", "layers_0.fc1")
     text = str(jaxhq.plan("hybrid:mxfp8:nvfp4", [role]))
-    assert "path (row|col)" in text and "kernel|xla" in text
+    assert "path (row|col)" in text and "kernel+decoded|xla" in text
+    kernels_everywhere.setenv("JAXHQ_DECODED", "0")
+    assert "kernel|xla" in str(jaxhq.plan("hybrid:mxfp8:nvfp4", [role]))
 
 
 def test_delayed_scaling_takes_its_amax_from_the_quantize_kernel(kernels_everywhere):
