@@ -101,6 +101,16 @@ def test_bf16_input_option_needs_float32_and_both_copies():
             jax.block_until_ready(P.quantize(x, scales, seed, row, col))
 
 
+def test_decoded_option_only_for_mxfp8_and_nvfp4():
+    """The handler refuses a decoded copy (bf16 values) of a format whose GEMMs read codes, naming the format."""
+    from jaxhq.ffi import primitives as P
+    seed, scales = P.seed_words(jnp.zeros(2, jnp.uint32), 32, 64), jnp.ones((2,), jnp.float32)
+    x = jnp.ones((32, 64), jnp.bfloat16)
+    for fmt in (P.FP8_TENSOR, P.FP8_BLOCK_1x128):
+        with pytest.raises(Exception, match=f"only MXFP8 and NVFP4 copies can be decoded \\(format id {fmt}\\)"):
+            jax.block_until_ready(P.quantize(x, scales, seed, (fmt, P.OPT_DECODED), (P.NONE, 0)))
+
+
 def test_quantize_transposed_through_the_entry_point(monkeypatch):
     """quantize(w, transposed=True) on the kernels equals quantize(w.T) (the reference's transpose) in every
     field; stochastic rounding keeps its scales and draws reproducible numbers; only 2D inputs are taken."""

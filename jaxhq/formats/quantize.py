@@ -141,8 +141,8 @@ def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=
     bfloat16 the kernels round each value as they load it, so that cast is never written to memory, except where
     a per-tensor amax is taken first (FP8 current scaling, NVFP4): XLA's cast then carries the amax pass.
     decoded: copies (among `usage`) that a kernel writes as their values, bfloat16, instead of their codes
-    (MXFP8 and NVFP4; `Storage.decoded`), for a GEMM that would dequantize them anyway (jaxhq.ops.gemm.decodes).
-    The reference path makes codes.
+    (MXFP8 and NVFP4; `Storage.decoded`), for a GEMM that would dequantize them anyway
+    (jaxhq.ops.gemm.decoded_copies). The reference path makes codes.
     """
     if not isinstance(quantizer, Quantizer):
         raise TypeError(f"quantize needs a Quantizer, got {quantizer!r}")
