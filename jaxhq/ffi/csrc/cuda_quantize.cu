@@ -159,8 +159,8 @@ __device__ __forceinline__ void encode_tile_side(const Params& p, const Smem<T>&
   }
 }
 
-// kSR: a side rounds stochastically (its own instantiation, see nvfp4_elements); kDec: an NVFP4 side is decoded
-// (likewise: that path's registers would cost the others). Five CTAs per SM (the shared memory allows five for
+// kSR: a side rounds stochastically (its own instantiation, see nvfp4_elements); kDec: a side is decoded
+// (likewise: that path's registers and code would cost the others). Five CTAs per SM (the shared memory allows five for
 // 16-bit inputs): 48 registers, no spills; four for the stochastic and decoded one (at 48 it spilled 88 bytes).
 template <typename In, typename T, bool kSR, bool kDec>
 __global__ void __launch_bounds__(kThreads, kSR && kDec ? 4 : 5) quantize_tile_kernel(Params p) {
@@ -225,10 +225,9 @@ int default_variant() {
 template <typename In, typename T = In>
 std::string launch_t(const Params& p, int64_t batch, cudaStream_t s) {
   dim3 grid(unsigned((p.k + kTile - 1) / kTile), unsigned((p.m + kTile - 1) / kTile), unsigned(batch));
-  auto nvfp4_with = [&](int opt) {
-    return (p.side[0].fmt == kNvfp4 && (p.side[0].opts & opt)) || (p.side[1].fmt == kNvfp4 && (p.side[1].opts & opt));
-  };
-  const bool sr = nvfp4_with(kStochastic), dec = nvfp4_with(kDecoded);
+  const bool sr = (p.side[0].fmt == kNvfp4 && (p.side[0].opts & kStochastic)) ||
+                  (p.side[1].fmt == kNvfp4 && (p.side[1].opts & kStochastic));
+  const bool dec = (p.side[0].opts | p.side[1].opts) & kDecoded;
   if (sr && dec) launch_kernel(quantize_tile_kernel<In, T, true, true>, grid, dim3(kThreads), sizeof(Smem<T>), s, p);
   else if (sr) launch_kernel(quantize_tile_kernel<In, T, true, false>, grid, dim3(kThreads), sizeof(Smem<T>), s, p);
   else if (dec) launch_kernel(quantize_tile_kernel<In, T, false, true>, grid, dim3(kThreads), sizeof(Smem<T>), s, p);

@@ -194,8 +194,8 @@ __device__ __forceinline__ uint8_t mx_scale_byte(float amax, bool e5) {
 
 // An FP8 copy's N values of copy row gr from column gc, times the multiplier of their block (or tensor), encoded
 // and stored (the scales are the caller's). A decoded MXFP8 copy stores the codes' values times `dec`, the block's
-// scale.
-template <int N>
+// scale (kMayDecode: that path is compiled in; kernels without it keep their code as small as before).
+template <int N, bool kMayDecode>
 __device__ __forceinline__ void encode_fp8_chunk(const SideParams& sp, int64_t b, int64_t gr, int64_t gc, float mult,
                                                  const float (&v)[N], float dec = 0.0f) {
   const int64_t C = sp.C;
@@ -206,7 +206,7 @@ __device__ __forceinline__ void encode_fp8_chunk(const SideParams& sp, int64_t b
     const uint16_t pair = fp8x2(v[2 * i] * mult, v[2 * i + 1] * mult, e5);
     memcpy(out + 2 * i, &pair, 2);
   }
-  if (sp.opts & kDecoded) {
+  if (kMayDecode && (sp.opts & kDecoded)) {
     uint32_t pairs[N / 2];
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) {
@@ -241,7 +241,7 @@ __device__ __forceinline__ void write_scale_inv(const Params& p, int64_t b, cons
 // once. F: the side's format when the caller fixes it at compile time (only that format's code is emitted), or
 // kAnyFormat to read it from the parameters; kMaySR: NVFP4 copies may round stochastically (nvfp4_elements).
 constexpr int kAnyFormat = -1;
-template <int N, typename T, int F = kAnyFormat, bool kMaySR = false, bool kMayDecodeFp4 = false>
+template <int N, typename T, int F = kAnyFormat, bool kMaySR = false, bool kMayDecode = false>
 __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, int64_t gr, int64_t gc, float amax,
                                              float tscale, const float (&v)[N]) {
   const SideParams& sp = p.side[s];
@@ -257,7 +257,7 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
     // |v| <= amax, so amax * enc finite (not NaN) bounds every v * enc
     const bool sr = sp.opts & kStochastic, finite = amax * enc <= 3.4e38f;
     const uint32_t* seed = p.seed + kSeedWords * b;
-    if (kMayDecodeFp4 && (sp.opts & kDecoded)) {  // the values (times the block's scale) instead of the codes
+    if (kMayDecode && (sp.opts & kDecoded)) {  // the values (times the block's scale) instead of the codes
       uint32_t pairs[N / 2];
       nvfp4_elements<N, kMaySR, Values>(v, enc, sr, finite, seed, s, gr, gc, C, [&](int i, float a, float c) {
         pairs[i] = bf16x2_bits(a * dec, c * dec);
@@ -280,7 +280,7 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
     const uint8_t e = mx_scale_byte<T>(amax, sp.opts & kE5M2);
     mult = e8m0_reciprocal(e);
     if (gc % 32 == 0) scale[gr * ((C + 31) / 32) + gc / 32] = e;
-    encode_fp8_chunk(sp, b, gr, gc, mult, v, e8m0_to_f32(e));
+    encode_fp8_chunk<N, kMayDecode>(sp, b, gr, gc, mult, v, e8m0_to_f32(e));
     return;
   } else {  // FP8 blockwise: 1x128 (a scale per row and 128 columns) or 128x128
     mult = block_scale(amax, sp.opts & kPow2);
@@ -288,7 +288,7 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
     if (gc % 128 == 0 && (fmt == kFp8Block1 || gr % 128 == 0))
       reinterpret_cast<float*>(scale)[(fmt == kFp8Block1 ? gr : gr / 128) * nb + gc / 128] = div_ref(1.0f, mult);
   }
-  encode_fp8_chunk(sp, b, gr, gc, mult, v);
+  encode_fp8_chunk<N, false>(sp, b, gr, gc, mult, v);
 }
 
 // The register-tile kernel (cuda_quantize_regs.cu): 16-bit inputs, FP8 formats (register_tile_takes).

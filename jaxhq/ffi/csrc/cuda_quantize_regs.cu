@@ -154,9 +154,9 @@ __device__ __forceinline__ void encode_side(const Params& p, const RegSmem& sm, 
       for (int e = 0; e < 8; ++e) v[e] = bits_to_f32<T>(element(w, s, t, e));
       if constexpr (F == kMxfp8) {  // the scales are row_scales'
         const uint8_t e = uint8_t(sm.row[s][cr] >> (8 * (grp >> 2)));
-        encode_fp8_chunk(sp, b, gr, gc, e8m0_reciprocal(e), v, e8m0_to_f32(e));
+        encode_fp8_chunk<8, true>(sp, b, gr, gc, e8m0_reciprocal(e), v, e8m0_to_f32(e));
       } else if constexpr (F == kFp8Block1) {
-        encode_fp8_chunk(sp, b, gr, gc, u2f(sm.row[s][cr]), v);
+        encode_fp8_chunk<8, false>(sp, b, gr, gc, u2f(sm.row[s][cr]), v);
       } else {
         encode_chunk<8, T, F>(p, s, b, gr, gc, F == kFp8Block2 ? bits_to_f32<T>(sm.tile) : 0.0f, ts, v);
       }
