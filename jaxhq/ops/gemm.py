@@ -132,12 +132,7 @@ def _decoding_gemm(mode: str) -> bool:
     from ..ffi import gemm as K
     if platform() == "cpu":
         return cpu_kernels_on()
-    if not K.available():
-        return False
-    try:
-        return str(jax.devices()[0].compute_capability).split(".")[0] == "9"
-    except AttributeError:
-        return False
+    return K.available() and K._hopper()
 
 
 def _with_fallback(kernel, fallback):

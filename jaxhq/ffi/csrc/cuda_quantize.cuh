@@ -200,23 +200,22 @@ __device__ __forceinline__ void encode_fp8_chunk(const SideParams& sp, int64_t b
                                                  const float (&v)[N], float dec = 0.0f) {
   const int64_t C = sp.C;
   const bool e5 = sp.opts & kE5M2;
-  uint8_t out[N];
+  uint16_t codes[N / 2];
 #pragma unroll
-  for (int i = 0; i < N / 2; ++i) {
-    const uint16_t pair = fp8x2(v[2 * i] * mult, v[2 * i + 1] * mult, e5);
-    memcpy(out + 2 * i, &pair, 2);
-  }
+  for (int i = 0; i < N / 2; ++i) codes[i] = fp8x2(v[2 * i] * mult, v[2 * i + 1] * mult, e5);
   if (kMayDecode && (sp.opts & kDecoded)) {
     uint32_t pairs[N / 2];
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) {
       float lo, hi;
-      fp8x2_values(uint16_t(out[2 * i] | (out[2 * i + 1] << 8)), e5, lo, hi);
+      fp8x2_values(codes[i], e5, lo, hi);
       pairs[i] = bf16x2_bits(lo * dec, hi * dec);
     }
     store_decoded<N>(sp, b, gr, gc, pairs);
     return;
   }
+  uint8_t out[N];
+  memcpy(out, codes, N);
   store_bytes(sp.data + b * sp.dbytes + gr * C + gc, out, C - gc, C % N == 0);
 }
 
