@@ -3,7 +3,9 @@
 For a 16384x16384 bf16 input and each format (both copies) and a few hybrid pairs: the median time, the
 effective bandwidth (input bytes once, twice for formats that need the per-tensor amax first, plus every
 output byte), its fraction of the copy bandwidth, and the speedup over XLA. Hybrid pairs are also timed as
-two separate single-copy kernel passes. Prints a table; writes JSON (--out).
+two separate single-copy kernel passes. Cases ending in `_dec` write both copies decoded (their bf16 values,
+as the training step does on Hopper for the copies a GEMM reads at once; docs/gemm.md). Prints a table; writes
+JSON (--out).
 """
 from __future__ import annotations
 
@@ -71,6 +73,9 @@ def main():
         ("nvfp4_rht", NVFP4(rht=True)),
         ("nvfp4_sr", NVFP4(stochastic_rounding=True)),
         ("nvfp4_rht_sr", NVFP4(rht=True, stochastic_rounding=True)),  # the nvfp4 recipe's gradients
+        ("mxfp8_dec", MXFP8()),
+        ("nvfp4_dec", NVFP4()),
+        ("nvfp4_rht_sr_dec", NVFP4(rht=True, stochastic_rounding=True)),  # the gradients as the step writes them
         ("fp8_block_1x128", Float8Block()),
         ("fp8_block_128x128", Float8Block((128, 128))),
         ("fp8_block_1x128_colonly", Float8Block()),
@@ -88,14 +93,19 @@ def main():
     rows = []
     for name, q in cases:
         usage = ("columnwise",) if name.endswith("colonly") else USAGES
-        kern = jax.jit(lambda x, k, q=q, usage=usage: quantize_copies(x, q, usage, key=k))
+        decoded = usage if name.endswith("_dec") else ()
+
+        def copies(x, k, q=q, usage=usage, decoded=decoded):
+            return quantize_copies(x, q, usage, key=k, decoded=decoded)
+
+        kern = jax.jit(copies)
         out = kern(x, key)
         assert out is not None, name
         obytes = nbytes(out)
         moved = xbytes * (2 if needs_amax(q, usage) else 1) + obytes
         t, ts = bench(kern, x, key)
-        row = dict(name=name, format=q.label, usage=list(usage), ms=t * 1e3, ms_all=[v * 1e3 for v in ts],
-                   bytes=moved, tbps=moved / t / 1e12, frac_copy=moved / t / copy_bw)
+        row = dict(name=name, format=q.label, usage=list(usage), decoded=list(decoded), ms=t * 1e3,
+                   ms_all=[v * 1e3 for v in ts], bytes=moved, tbps=moved / t / 1e12, frac_copy=moved / t / copy_bw)
         if not args.no_xla:
             ref = jax.jit(lambda x, q=q, usage=usage: reference(x, q, usage))
             try:
