@@ -1,18 +1,21 @@
 // Per-tensor amax: max |x| over [M, K] (and, for NVFP4 with RHT, max |RHT(x.T)| over 16-row groups of each
 // column) in one read. Atomic max on the float bits (non-negative floats, NaN included, order as uints).
 //
-// 16-bit inputs whose rows are 16-byte aligned (K % 8 == 0) take the vector kernel: a thread owns 8 adjacent
-// columns and reads a 16-row group of them as sixteen 16-byte loads issued together (a warp reads 512
-// contiguous bytes per row); its plain amax is the integer max of the 16-bit |x| patterns (which orders as the
-// values do, NaN patterns above inf), and each of its 8 columns' 16 values is transformed in registers for the
-// RHT amax. Other inputs take the scalar kernel (a thread per column).
+// 16-bit inputs whose rows are 16-byte aligned (K % 8 == 0) take the vector kernel: a warp owns one 16-row group
+// of 128 columns, a thread 4 adjacent columns of it, read as sixteen 8-byte loads issued together (a warp reads
+// 256 contiguous bytes per row); a CTA is 8 warps over 128 rows, so even a small tensor spreads over the SMs (and
+// a thread's 32 registers of x leave room for four CTAs per SM). Its plain amax is the integer max of the 16-bit
+// |x| patterns (which orders as the values do, NaN patterns above inf), and each of its 4 columns' 16 values is
+// transformed in registers for the RHT amax: the max of the
+// Hadamard sums' |bit patterns|, times 1/4 once at the end (rounding is monotone, so that is the max of the
+// transformed values, rht16's x 1/4 after every sum). Other inputs take the scalar kernel (a thread per column).
 #include "cuda_common.cuh"
 #include "cuda_launch.h"
 
 namespace jaxhq {
 namespace {
 
-constexpr int kThreads = 256, kRowsPerBlock = 256;
+constexpr int kThreads = 256, kRowsPerBlock = 128;
 
 // The CTA's plain and RHT amaxes (per-thread partials, non-negative) into the batch element's outputs.
 __device__ __forceinline__ void cta_amaxes(float a, float ar, bool rht, float* amax, float* amax_rht) {
@@ -48,53 +51,47 @@ __global__ void amax_kernel(const T* __restrict__ x, int64_t m, int64_t k, bool 
   cta_amaxes(a, ar, rht, amax + b, amax_rht + b);
 }
 
-// The 16-bit kernel: CTA = 8 warps over 256 columns (32 threads x 8) and kRowsPerBlock rows (warp w takes the
-// 16-row groups w, w + 8, ...).
+// The 16-bit kernel: CTA = 8 warps over 128 columns (32 threads x 4) and kRowsPerBlock rows, warp w the 16-row
+// group w.
 template <typename T>
-__global__ void amax_vec_kernel(const T* __restrict__ x, int64_t m, int64_t k, bool rht, float* amax,
-                                float* amax_rht) {
+__global__ void __launch_bounds__(kThreads) amax_vec_kernel(const T* __restrict__ x, int64_t m, int64_t k, bool rht,
+                                                            float* amax, float* amax_rht) {
+  static_assert(kRowsPerBlock == 16 * (kThreads / 32), "one 16-row group per warp");
   const int64_t b = blockIdx.z;
   x += b * m * k;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t c = (int64_t(blockIdx.x) * 32 + lane) * 8;  // this thread's first column
-  const int64_t r0 = int64_t(blockIdx.y) * kRowsPerBlock;
-  uint32_t a = 0u;  // max |x| pattern (16 bits)
-  float ar = 0.0f;
-  if (c < k) {
-    for (int64_t g = r0 + 16 * warp; g < r0 + kRowsPerBlock && g < m; g += 16 * (kThreads / 32)) {
-      uint4 q[16];
+  const int64_t c = (int64_t(blockIdx.x) * 32 + lane) * 4;  // this thread's first column
+  const int64_t g = int64_t(blockIdx.y) * kRowsPerBlock + 16 * warp;  // this warp's first row
+  uint32_t a = 0u, ar = 0u;  // max |x| pattern (16 bits); max |Hadamard sum| pattern (float bits)
+  if (c < k && g < m) {
+    uint2 q[16];
 #pragma unroll
-      for (int i = 0; i < 16; ++i)
-        q[i] = g + i < m ? __ldg(reinterpret_cast<const uint4*>(x + (g + i) * k + c)) : make_uint4(0, 0, 0, 0);
-      constexpr uint32_t kAbs = 0x7FFF7FFFu;  // |x| of both halves: the sign bits cleared before the max
-      uint32_t pair = 0u;                     // per-halfword max of the |x| patterns
+    for (int i = 0; i < 16; ++i)
+      q[i] = g + i < m ? __ldg(reinterpret_cast<const uint2*>(x + (g + i) * k + c)) : make_uint2(0, 0);
+    constexpr uint32_t kAbs = 0x7FFF7FFFu;  // |x| of both halves: the sign bits cleared before the max
+    uint32_t pair = 0u;                     // per-halfword max of the |x| patterns
 #pragma unroll
-      for (int i = 0; i < 16; ++i)
-        pair = vmax2(pair, vmax2(vmax2(q[i].x & kAbs, q[i].y & kAbs), vmax2(q[i].z & kAbs, q[i].w & kAbs)));
-      a = maxu(a, max_halves(pair));
-      if (rht && g + 16 <= m) {
+    for (int i = 0; i < 16; ++i) pair = vmax2(pair, vmax2(q[i].x & kAbs, q[i].y & kAbs));
+    a = max_halves(pair);
+    if (rht && g + 16 <= m) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {  // column c + j: half j % 2 of word j / 2 of each row's load
-          float v[16];
+      for (int j = 0; j < 4; ++j) {  // column c + j: half j % 2 of word j / 2 of each row's load
+        float v[16];
 #pragma unroll
-          for (int i = 0; i < 16; ++i) {
-            const uint32_t word = j / 2 == 0 ? q[i].x : j / 2 == 1 ? q[i].y : j / 2 == 2 ? q[i].z : q[i].w;
-            v[i] = bits_to_f32<T>(half_of(word, j % 2));
-          }
-          rht16(v);
+        for (int i = 0; i < 16; ++i) v[i] = bits_to_f32<T>(half_of(j / 2 == 0 ? q[i].x : q[i].y, j % 2));
+        hadamard16_signed(v);
 #pragma unroll
-          for (int i = 0; i < 16; ++i) ar = amax_acc(ar, v[i]);
-        }
+        for (int i = 0; i < 16; ++i) ar = maxu(ar, f2u(v[i]) & 0x7FFFFFFFu);
       }
     }
   }
-  cta_amaxes(bits_to_f32<T>(a), ar, rht, amax + b, amax_rht + b);
+  cta_amaxes(bits_to_f32<T>(a), u2f(ar) * 0.25f, rht, amax + b, amax_rht + b);
 }
 
 template <typename T>
 void launch_vec(const void* x, int64_t batch, int64_t m, int64_t k, bool rht, float* amax, float* amax_rht,
                 cudaStream_t s) {
-  dim3 grid(unsigned((k + 255) / 256), unsigned((m + kRowsPerBlock - 1) / kRowsPerBlock), unsigned(batch));
+  dim3 grid(unsigned((k + 127) / 128), unsigned((m + kRowsPerBlock - 1) / kRowsPerBlock), unsigned(batch));
   launch_kernel(amax_vec_kernel<T>, grid, dim3(kThreads), 0, s, static_cast<const T*>(x), m, k, rht, amax, amax_rht);
 }
 

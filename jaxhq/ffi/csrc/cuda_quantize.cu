@@ -14,6 +14,7 @@
 #include "cuda_quantize.cuh"
 
 #include <cstdlib>
+#include <type_traits>
 
 namespace jaxhq {
 namespace {
@@ -61,11 +62,34 @@ __device__ __forceinline__ void load_tile(const In* __restrict__ x, int64_t m, i
     const int r = idx / (kTile / 8), c = (idx % (kTile / 8)) * 8;
     uint4 raw[sizeof(In) / 2];
     load8<In>(x, m, k, r0 + r, c0 + c, vec_ok, raw);
-    In v[8];
-    memcpy(v, raw, sizeof(v));
+    if constexpr (std::is_same_v<In, T> && sizeof(T) == 2) {  // as four 4-byte stores (the row stride is even)
+      uint32_t* dst = reinterpret_cast<uint32_t*>(tile + r * kStride + c);
+      dst[0] = raw[0].x, dst[1] = raw[0].y, dst[2] = raw[0].z, dst[3] = raw[0].w;
+    } else {
+      In v[8];
+      memcpy(v, raw, sizeof(v));
 #pragma unroll
-    for (int i = 0; i < 8; ++i) tile[r * kStride + c + i] = as_value<T>(v[i]);
+      for (int i = 0; i < 8; ++i) tile[r * kStride + c + i] = as_value<T>(v[i]);
+    }
   }
+}
+
+// 16 values of chunk `ch` of copy row `cr` of the rowwise side (s = 0) from a 16-bit tile, read as 8 value pairs
+// (4-byte loads: the row stride is even), and their bits_amax, taken on the 16-bit |x| patterns two at a time
+// (they order as the values do, NaN patterns above inf; the same float as bits_amax of the values).
+template <typename T>
+__device__ __forceinline__ float read_row_chunk_amax(const T* tile, int cr, int ch, float* v) {
+  if constexpr (sizeof(T) != 2) return 0.0f;  // not called: float tiles read value by value
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(tile + cr * Smem<T>::kStride + ch * 16);
+  uint32_t pair = 0u;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t x = w[i];
+    v[2 * i] = bits_to_f32<T>(x & 0xFFFFu);
+    v[2 * i + 1] = bits_to_f32<T>(x >> 16);
+    pair = vmax2(pair, x & 0x7FFF7FFFu);
+  }
+  return bits_to_f32<T>(max_halves(pair));
 }
 
 // 16 values of chunk `ch` of copy row `cr`; columnwise copies read the tile transposed.
@@ -134,19 +158,23 @@ __device__ __forceinline__ void encode_tile_side(const Params& p, const Smem<T>&
   const int fmt = sp.fmt;
   if (fmt == kNone) return;
   const int64_t cr0 = s == 0 ? r0 : c0, cc0 = s == 0 ? c0 : r0;  // this tile's origin in the copy
+  SrStream srs(p.seed + kSeedWords * b, s);  // read only by the stochastic instantiation
   for (int it = 0; it < kTile * kChunks / kThreads; ++it) {
     int cr, ch;
     chunk_of(it, cr, ch);
     const int64_t gr = cr0 + cr, gc = cc0 + ch * 16;
     if (gr >= sp.R || gc >= sp.C) continue;
+    // a rowwise NVFP4 1x16 chunk of a 16-bit tile takes its values and amax together (read_row_chunk_amax)
+    const bool row_pairs = sizeof(T) == 2 && s == 0 && one_chunk_blocks(sp) && !(sp.opts & kRHT);
     float v[16];
-    read_chunk(sm.tile, s, cr, ch, fmt == kNvfp4 && (sp.opts & kRHT), v);
-    const float* ca = sm.camax[s];
     float a = 0.0f;  // the chunk's block amax (per-tensor FP8 has none)
+    if (row_pairs) a = read_row_chunk_amax(sm.tile, cr, ch, v);
+    else read_chunk(sm.tile, s, cr, ch, fmt == kNvfp4 && (sp.opts & kRHT), v);
+    const float* ca = sm.camax[s];
     if (fmt == kNvfp4 && (sp.opts & kBlock2D)) {
       a = u2f(sm.bamax[s][(cr / 16) * kChunks + ch]);
     } else if (fmt == kNvfp4) {
-      a = bits_amax(v);
+      if (!row_pairs) a = bits_amax(v);
     } else if (fmt == kMxfp8) {
       a = nmax(ca[cr * kChunks + (ch & ~1)], ca[cr * kChunks + (ch | 1)]);
     } else if (fmt == kFp8Block1) {
@@ -155,13 +183,14 @@ __device__ __forceinline__ void encode_tile_side(const Params& p, const Smem<T>&
     } else if (fmt == kFp8Block2) {
       a = sm.tamax[s];
     }
-    encode_chunk<16, T, kAnyFormat, kSR, kDec>(p, s, b, gr, gc, a, ts, v);
+    encode_chunk<16, T, kAnyFormat, kSR, kDec>(p, s, b, gr, gc, a, ts, v, &srs);
   }
 }
 
 // kSR: a side rounds stochastically (its own instantiation, see nvfp4_elements); kDec: a side is decoded
 // (likewise: that path's registers and code would cost the others). Five CTAs per SM (the shared memory allows five for
-// 16-bit inputs): 48 registers, no spills; four for the stochastic and decoded one (at 48 it spilled 88 bytes).
+// 16-bit inputs): 48 registers, no spills; four for the stochastic and decoded one (64 registers, no spills; at 48
+// it spilled 88 bytes).
 template <typename In, typename T, bool kSR, bool kDec>
 __global__ void __launch_bounds__(kThreads, kSR && kDec ? 4 : 5) quantize_tile_kernel(Params p) {
   Smem<T>& sm = *dynamic_smem<Smem<T>>();

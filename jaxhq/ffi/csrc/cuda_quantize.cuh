@@ -129,25 +129,46 @@ __device__ __forceinline__ void e2m1_pack_sr(const float (&v)[N], float enc, int
   }
 }
 
+// A copy's stochastic-rounding numbers as one thread walks its chunks of that copy: the seed words, read once
+// instead of per chunk, and the last key made (sr_key of the pair index's high word, which a thread's chunks
+// rarely cross), so a chunk costs its N / 2 hashes and no more.
+struct SrStream {
+  uint32_t s0, s1, roff, coff, half, hi, key;  // half: pairs per row, ceil(cols / 2)
+  int side;
+  bool keyed;
+  __device__ __forceinline__ SrStream(const uint32_t* seed, int s) : hi(0u), key(0u), side(s), keyed(false) {
+    const SrIndex si = sr_index(seed, s);
+    s0 = seed[0], s1 = seed[1];
+    roff = uint32_t(si.roff), coff = uint32_t(si.coff), half = uint32_t((si.cols + 1) / 2);
+  }
+  __device__ __forceinline__ uint32_t key_of(uint32_t h) {
+    if (!keyed || h != hi) {
+      key = sr_key(s0, s1, uint32_t(side), h);
+      hi = h;
+      keyed = true;
+    }
+    return key;
+  }
+};
+
 // kMaySR: the kernel takes stochastic copies (a separate instantiation: the stochastic path's registers would
-// cost the others occupancy).
+// cost the others occupancy); `srs`: this side's stream (used when `sr`).
 template <int N, bool kMaySR, typename E, typename Put>
-__device__ __forceinline__ void nvfp4_elements(const float (&v)[N], float enc, bool sr, bool finite,
-                                               const uint32_t* seed, int side, int64_t gr, int64_t gc, int64_t C,
-                                               Put put) {
+__device__ __forceinline__ void nvfp4_elements(const float (&v)[N], float enc, bool sr, bool finite, SrStream* srs,
+                                               int64_t gr, int64_t gc, int64_t C, Put put) {
   const int64_t valid = C - gc;  // columns of this chunk inside the copy
   if (kMaySR && sr) {
-    const SrIndex si = sr_index(seed, side);
-    const uint64_t row = uint64_t(gr) + si.roff, col = uint64_t(gc) + si.coff;
-    const uint64_t q0 = sr_pair(row, col, si.cols);
-    const uint32_t s0 = seed[0], s1 = seed[1];
+    const uint64_t row = uint64_t(gr) + srs->roff, col = uint64_t(gc) + srs->coff;
+    const uint64_t q0 = row * srs->half + col / 2;  // sr_pair
     if (uint32_t(q0) <= 0xFFFFFFFFu - N) {  // the chunk's pairs share their high word: one key
-      const uint32_t key = sr_key(s0, s1, uint32_t(side), uint32_t(q0 >> 32));
+      const uint32_t key = srs->key_of(uint32_t(q0 >> 32));
       if (finite) e2m1_pack_sr<N, E, true>(v, enc, valid, key, uint32_t(q0), col & 1, put);
       else e2m1_pack_sr<N, E, false>(v, enc, valid, key, uint32_t(q0), col & 1, put);
     } else {
+      const uint64_t cols = 2 * uint64_t(srs->half);  // cols or cols + 1: the same pairs per row
+      const uint32_t s0 = srs->s0, s1 = srs->s1, side = uint32_t(srs->side);
       e2m1_pack<N, E>(v, enc, valid, [&](float q, int e) {
-        return E::template sr<false>(q, sr_bits(s0, s1, uint32_t(side), row, col + uint64_t(e), si.cols));
+        return E::template sr<false>(q, sr_bits(s0, s1, side, row, col + uint64_t(e), cols));
       }, put);
     }
   } else if (finite) {
@@ -242,7 +263,7 @@ __device__ __forceinline__ void write_scale_inv(const Params& p, int64_t b, cons
 constexpr int kAnyFormat = -1;
 template <int N, typename T, int F = kAnyFormat, bool kMaySR = false, bool kMayDecode = false>
 __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, int64_t gr, int64_t gc, float amax,
-                                             float tscale, const float (&v)[N]) {
+                                             float tscale, const float (&v)[N], SrStream* srs = nullptr) {
   const SideParams& sp = p.side[s];
   const int fmt = F == kAnyFormat ? sp.fmt : F;
   const int64_t C = sp.C;
@@ -255,17 +276,16 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
     const float enc = nvfp4_encode_mult(dec, tscale);
     // |v| <= amax, so amax * enc finite (not NaN) bounds every v * enc
     const bool sr = sp.opts & kStochastic, finite = amax * enc <= 3.4e38f;
-    const uint32_t* seed = p.seed + kSeedWords * b;
     if (kMayDecode && (sp.opts & kDecoded)) {  // the values (times the block's scale) instead of the codes
       uint32_t pairs[N / 2];
-      nvfp4_elements<N, kMaySR, Values>(v, enc, sr, finite, seed, s, gr, gc, C, [&](int i, float a, float c) {
+      nvfp4_elements<N, kMaySR, Values>(v, enc, sr, finite, srs, gr, gc, C, [&](int i, float a, float c) {
         pairs[i] = bf16x2_bits(a * dec, c * dec);
       });
       store_decoded<N>(sp, b, gr, gc, pairs);
       return;
     }
     uint8_t out[N / 2];
-    nvfp4_elements<N, kMaySR, Codes>(v, enc, sr, finite, seed, s, gr, gc, C, [&](int i, uint32_t c0, uint32_t c1) {
+    nvfp4_elements<N, kMaySR, Codes>(v, enc, sr, finite, srs, gr, gc, C, [&](int i, uint32_t c0, uint32_t c1) {
       out[i] = uint8_t(c0 | (c1 << 4));
     });
     const int64_t pc = (C + 1) / 2;

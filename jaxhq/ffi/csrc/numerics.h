@@ -330,8 +330,8 @@ JHQ_HD uint32_t sr_bits(uint32_t s0, uint32_t s1, uint32_t stream, uint64_t r, u
   return (c & 1) ? h >> 16 : h & 0xFFFFu;
 }
 
-// 16-point random Hadamard transform (nvfp4.apply_rht): v -> H (signs * v) / 4, Sylvester H, in place.
-JHQ_HD void rht16(float* v) {
+// The 16-point Hadamard sums of signs * v (rht16 before its factor 1/4), in place. Sylvester H, fixed signs.
+JHQ_HD void hadamard16_signed(float* v) {
   constexpr uint32_t kNeg = 0xC5B2u;  // bit i set: sign i is -1 (1,-1,1,1,-1,-1,1,-1,-1,1,-1,1,1,1,-1,-1)
 #pragma unroll
   for (int i = 0; i < 16; ++i)
@@ -347,6 +347,11 @@ JHQ_HD void rht16(float* v) {
       }
     }
   }
+}
+
+// 16-point random Hadamard transform (nvfp4.apply_rht): v -> H (signs * v) / 4, in place.
+JHQ_HD void rht16(float* v) {
+  hadamard16_signed(v);
 #pragma unroll
   for (int i = 0; i < 16; ++i) v[i] *= 0.25f;
 }
