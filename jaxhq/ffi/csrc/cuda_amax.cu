@@ -6,9 +6,9 @@
 // 256 contiguous bytes per row); a CTA is 8 warps over 128 rows, so even a small tensor spreads over the SMs (and
 // a thread's 32 registers of x leave room for four CTAs per SM). Its plain amax is the integer max of the 16-bit
 // |x| patterns (which orders as the values do, NaN patterns above inf), and each of its 4 columns' 16 values is
-// transformed in registers for the RHT amax: the max of the
-// Hadamard sums' |bit patterns|, times 1/4 once at the end (rounding is monotone, so that is the max of the
-// transformed values, rht16's x 1/4 after every sum). Other inputs take the scalar kernel (a thread per column).
+// transformed in registers for the RHT amax: the max of the Hadamard sums' |bit patterns|, times 1/4 once at the
+// end (rounding is monotone, so that equals the max of rht16's values, which scale every sum by 1/4). Other inputs
+// take the scalar kernel (a thread per column).
 #include "cuda_common.cuh"
 #include "cuda_launch.h"
 

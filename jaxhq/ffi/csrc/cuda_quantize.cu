@@ -117,6 +117,12 @@ __device__ __forceinline__ float bits_amax(const float (&v)[16]) {
 __device__ __forceinline__ bool one_chunk_blocks(const SideParams& sp) {
   return sp.fmt == kNvfp4 && !(sp.opts & kBlock2D);
 }
+__device__ __forceinline__ bool both_2d_nvfp4(const Params& p) {
+  const auto is_2d = [](const SideParams& sp) {
+    return sp.fmt == kNvfp4 && (sp.opts & kBlock2D) && !(sp.opts & kRHT);
+  };
+  return is_2d(p.side[0]) && is_2d(p.side[1]);
+}
 
 // Round `it` of this thread: its copy row `cr` in the tile and its chunk `ch` along that row (see the top).
 __device__ __forceinline__ void chunk_of(int it, int& cr, int& ch) {
@@ -134,10 +140,15 @@ __device__ __forceinline__ void chunk_amaxes(const Params& p, Smem<T>& sm, int s
   if (fmt == kNone || fmt == kFp8Tensor || one_chunk_blocks(sp)) return;
   const bool rht = fmt == kNvfp4 && (sp.opts & kRHT);
   const bool bits = fmt == kNvfp4 || fmt == kMxfp8;
+  const bool row_pairs = sizeof(T) == 2 && s == 0 && bits && !rht;  // read_row_chunk_amax: the same amax
   for (int it = 0; it < kTile * kChunks / kThreads; ++it) {
     int cr, ch;
     chunk_of(it, cr, ch);
     float v[16];
+    if (row_pairs) {
+      sm.camax[s][cr * kChunks + ch] = read_row_chunk_amax(sm.tile, cr, ch, v);
+      continue;
+    }
     read_chunk(sm.tile, s, cr, ch, rht, v);
     float a = 0.0f;
     if (bits) {
@@ -207,8 +218,11 @@ __global__ void __launch_bounds__(kThreads, kSR && kDec ? 4 : 5) quantize_tile_k
       a = amax_acc(a, to_f32(sm.tile[(i / kTile) * kStride + i % kTile]));
     cta_amax_partial(f2u(a), sm.xamax);
   }
+  // Both copies in NVFP4 16x16 blocks of the same values (no RHT): the columnwise copy's blocks are the rowwise
+  // copy's transposed, so are their amaxes, and its chunk amaxes are not needed.
+  const bool same_2d = both_2d_nvfp4(p);
   chunk_amaxes(p, sm, 0);
-  chunk_amaxes(p, sm, 1);
+  if (!same_2d) chunk_amaxes(p, sm, 1);
   __syncthreads();
   // 128x128 tiles: one amax for the whole tile (the first warp). NVFP4 16x16 blocks: one amax per block, the max
   // of its 16 chunk amaxes (threads 128..255, 64 blocks per side). Those chunk amaxes are |v| bit patterns
@@ -227,10 +241,14 @@ __global__ void __launch_bounds__(kThreads, kSR && kDec ? 4 : 5) quantize_tile_k
   if (threadIdx.x >= kThreads / 2) {
     const int s = (threadIdx.x - kThreads / 2) / 64, j = threadIdx.x % 64, rb = j / kChunks, ch = j % kChunks;
     if (p.side[s].fmt == kNvfp4 && (p.side[s].opts & kBlock2D)) {
+      // block (rb, ch) of copy s; with same_2d, the columnwise block (rb, ch) is the rowwise block (ch, rb)
+      const bool t = same_2d && s == 1;
+      const float* ca = sm.camax[t ? 0 : s];
+      const int brow = t ? ch : rb, bcol = t ? rb : ch;
       uint32_t m = 0u;
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
-        const uint32_t u = f2u(sm.camax[s][(16 * rb + i) * kChunks + ch]);
+        const uint32_t u = f2u(ca[(16 * brow + i) * kChunks + bcol]);
         m = u > m ? u : m;
       }
       sm.bamax[s][j] = m;
