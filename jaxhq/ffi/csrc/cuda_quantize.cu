@@ -117,6 +117,12 @@ __device__ __forceinline__ float bits_amax(const float (&v)[16]) {
 __device__ __forceinline__ bool one_chunk_blocks(const SideParams& sp) {
   return sp.fmt == kNvfp4 && !(sp.opts & kBlock2D);
 }
+// Side s reads its chunks from a 16-bit tile as value pairs with their amax (read_row_chunk_amax): the rowwise
+// side, unless it is Hadamard-transformed.
+template <typename T>
+__device__ __forceinline__ bool reads_row_pairs(const SideParams& sp, int s) {
+  return sizeof(T) == 2 && s == 0 && !(sp.fmt == kNvfp4 && (sp.opts & kRHT));
+}
 __device__ __forceinline__ bool both_2d_nvfp4(const Params& p) {
   const auto is_2d = [](const SideParams& sp) {
     return sp.fmt == kNvfp4 && (sp.opts & kBlock2D) && !(sp.opts & kRHT);
@@ -140,7 +146,7 @@ __device__ __forceinline__ void chunk_amaxes(const Params& p, Smem<T>& sm, int s
   if (fmt == kNone || fmt == kFp8Tensor || one_chunk_blocks(sp)) return;
   const bool rht = fmt == kNvfp4 && (sp.opts & kRHT);
   const bool bits = fmt == kNvfp4 || fmt == kMxfp8;
-  const bool row_pairs = sizeof(T) == 2 && s == 0 && bits && !rht;  // read_row_chunk_amax: the same amax
+  const bool row_pairs = bits && reads_row_pairs<T>(sp, s);  // read_row_chunk_amax: the same amax
   for (int it = 0; it < kTile * kChunks / kThreads; ++it) {
     int cr, ch;
     chunk_of(it, cr, ch);
@@ -176,7 +182,7 @@ __device__ __forceinline__ void encode_tile_side(const Params& p, const Smem<T>&
     const int64_t gr = cr0 + cr, gc = cc0 + ch * 16;
     if (gr >= sp.R || gc >= sp.C) continue;
     // a rowwise NVFP4 1x16 chunk of a 16-bit tile takes its values and amax together (read_row_chunk_amax)
-    const bool row_pairs = sizeof(T) == 2 && s == 0 && one_chunk_blocks(sp) && !(sp.opts & kRHT);
+    const bool row_pairs = one_chunk_blocks(sp) && reads_row_pairs<T>(sp, s);
     float v[16];
     float a = 0.0f;  // the chunk's block amax (per-tensor FP8 has none)
     if (row_pairs) a = read_row_chunk_amax(sm.tile, cr, ch, v);

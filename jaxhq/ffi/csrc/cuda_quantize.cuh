@@ -133,13 +133,13 @@ __device__ __forceinline__ void e2m1_pack_sr(const float (&v)[N], float enc, int
 // instead of per chunk, and the last key made (sr_key of the pair index's high word, which a thread's chunks
 // rarely cross), so a chunk costs its N / 2 hashes and no more.
 struct SrStream {
-  uint32_t s0, s1, roff, coff, half, hi, key;  // half: pairs per row, ceil(cols / 2)
+  uint32_t s0, s1, roff, coff, cols, hi, key;  // sr_index's fields (seed words: 32 bits each)
   int side;
   bool keyed;
   __device__ __forceinline__ SrStream(const uint32_t* seed, int s) : hi(0u), key(0u), side(s), keyed(false) {
     const SrIndex si = sr_index(seed, s);
     s0 = seed[0], s1 = seed[1];
-    roff = uint32_t(si.roff), coff = uint32_t(si.coff), half = uint32_t((si.cols + 1) / 2);
+    roff = uint32_t(si.roff), coff = uint32_t(si.coff), cols = uint32_t(si.cols);
   }
   __device__ __forceinline__ uint32_t key_of(uint32_t h) {
     if (!keyed || h != hi) {
@@ -159,14 +159,13 @@ __device__ __forceinline__ void nvfp4_elements(const float (&v)[N], float enc, b
   const int64_t valid = C - gc;  // columns of this chunk inside the copy
   if (kMaySR && sr) {
     const uint64_t row = uint64_t(gr) + srs->roff, col = uint64_t(gc) + srs->coff;
-    const uint64_t q0 = row * srs->half + col / 2;  // sr_pair
+    const uint64_t q0 = sr_pair(row, col, srs->cols);
     if (uint32_t(q0) <= 0xFFFFFFFFu - N) {  // the chunk's pairs share their high word: one key
       const uint32_t key = srs->key_of(uint32_t(q0 >> 32));
       if (finite) e2m1_pack_sr<N, E, true>(v, enc, valid, key, uint32_t(q0), col & 1, put);
       else e2m1_pack_sr<N, E, false>(v, enc, valid, key, uint32_t(q0), col & 1, put);
     } else {
-      const uint64_t cols = 2 * uint64_t(srs->half);  // cols or cols + 1: the same pairs per row
-      const uint32_t s0 = srs->s0, s1 = srs->s1, side = uint32_t(srs->side);
+      const uint32_t s0 = srs->s0, s1 = srs->s1, side = uint32_t(srs->side), cols = srs->cols;
       e2m1_pack<N, E>(v, enc, valid, [&](float q, int e) {
         return E::template sr<false>(q, sr_bits(s0, s1, side, row, col + uint64_t(e), cols));
       }, put);
