@@ -9,7 +9,7 @@ import jax
 
 from .formats import COLUMNWISE, ROWWISE, side
 from .formats.quantize import copy_path
-from .ops.gemm import decoded_copies
+from .ops.gemm import decoded_copies, shares_transposed_copy
 from .recipes import CustomRecipe, get
 from .roles import QuantizerRole
 
@@ -23,7 +23,8 @@ class PlanRow:
     rowwise: str
     columnwise: str
     path: str = ""  # how the copies are made here: "kernel" (+"decoded": bf16 values for a GEMM that dequantizes,
-    # jaxhq.ops.gemm.decoded_copies) or "xla" per copy, "rowwise|columnwise"
+    # jaxhq.ops.gemm.decoded_copies) or "xla" per copy, "rowwise|columnwise"; "rowwise.T": the columnwise copy is
+    # the rowwise one read transposed (jaxhq.ops.gemm.shares_transposed_copy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +66,12 @@ def plan(recipe, roles_or_model: Iterable[QuantizerRole] = (), *example_inputs) 
         now = (ROWWISE, COLUMNWISE) if role.tensor_type == "grad_output" else (ROWWISE,)
         decoded = decoded_copies(q, now) if role.module_type == "linear" else ()
 
+        shared = role.module_type == "linear" and role.tensor_type == "weight" and shares_transposed_copy(q)
+
         def how(a):
             p = copy_path(q, a, platform)
+            if a == COLUMNWISE and shared and p == "kernel":
+                return "rowwise.T"
             return p + "+decoded" if p == "kernel" and a in decoded else p
         path = "|".join(how(a) if side(q, a).name != "identity" else "-" for a in (ROWWISE, COLUMNWISE))
         rows.append(PlanRow(role, side(q, ROWWISE).label, side(q, COLUMNWISE).label, path))

@@ -13,7 +13,7 @@ import pytest
 
 from jaxhq.ffi import gemm as G
 from test_gemm_gpu import (KERNEL, RECIPES, _cases, _dequant64, _near_unquantized, _operands, _reference,
-                           _tiny_nvfp4_operands)
+                           _tiny_nvfp4_operands, _transposed_weight_operands)
 
 U = {jnp.float32: 2.0 ** -24, jnp.bfloat16: 2.0 ** -8}
 
@@ -51,6 +51,33 @@ def test_cpu_nvfp4_gemm_of_a_tiny_tensor(gemm):
     out = jax.jit(lambda a, b: KERNEL["nvfp4"](a, b, jnp.float32))(a, b)
     _check(out, _reference(a, b), _mag(a, b), jnp.float32, f"tiny nvfp4 {gemm} seed={seed}")
     _near_unquantized(out, exact, f"tiny nvfp4 {gemm} seed={seed}")
+
+
+@pytest.mark.parametrize("m", [17, 64])
+def test_cpu_dgrad_reads_a_transposed_decoded_weight(m):
+    """The weight's decoded rowwise copy read transposed (b_kn) holds the columnwise copy's values, and the handler
+    gives the dgrad GEMM of the columnwise codes bit for bit (the same values summed in the same order), within
+    the float64 bound."""
+    a, view, col, _, seed = _transposed_weight_operands(m)
+    np.testing.assert_array_equal(np.asarray(view.dequantize()), np.asarray(col.dequantize()))
+    run = jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.float32))
+    assert "b_kn = 1" in run.lower(a, view).as_text()
+    out = run(a, view)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(run(a, col)))
+    _check(out, _reference(a, col), _mag(a, col), jnp.float32, f"nvfp4 dgrad transposed weight M={m} seed={seed}")
+
+
+def test_cpu_transposed_operand_errors():
+    """A transposed copy as A, a transposed B of codes, or a transposed FP8 operand is refused with the reason (the
+    dispatch table then runs the dequantized reference, which reads any copy)."""
+    a, view, _, _, _ = _transposed_weight_operands(17)
+    _, w_codes, _ = _operands("nvfp4", "forward", 17)  # the weight's rowwise codes [N, K]
+    with pytest.raises(G.GemmUnsupported, match="A is a transposed copy"):
+        G.blockscaled_gemm(view, a, jnp.float32)
+    with pytest.raises(G.GemmUnsupported, match="transposed copy of codes"):
+        G.blockscaled_gemm(a, w_codes.transpose_of(), jnp.float32)
+    with pytest.raises(G.GemmUnsupported, match="FP8 operands"):
+        G.fp8_gemm(view, view, jnp.float32)
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))

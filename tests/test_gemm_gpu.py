@@ -80,6 +80,21 @@ def _operands(recipe: str, gemm: str, m: int, k: int = K_, n: int = N_):
     return quantize(x, qx, "columnwise").columnwise, quantize(dy, qdy, "columnwise", key=key).columnwise, seed
 
 
+def _transposed_weight_operands(m: int, bias: bool = False):
+    """The nvfp4 recipe's dgrad operands two ways: A (the gradient's rowwise copy), B as the weight's decoded
+    rowwise copy read transposed (`Storage.transposed`, what the dense op passes on Hopper) and B as the
+    columnwise codes; also a random bias and accumulator [m, K_] when asked."""
+    from jaxhq.ffi.dispatch import quantize_copies
+    a, _, seed = _operands("nvfp4", "dgrad", m)
+    rng = np.random.default_rng(seed + 1)
+    w = jnp.asarray(rng.standard_normal((K_, N_)) * 0.05, jnp.float32)
+    row = quantize_copies(w.T, RECIPES["nvfp4"][1], ("rowwise",), decoded=("rowwise",))["rowwise"]
+    view, col = row.transpose_of(), quantize(w.T, RECIPES["nvfp4"][1], "columnwise").columnwise
+    assert row.decoded and view.transposed and view.shape == col.shape == (K_, N_) and view.data.shape == (N_, K_)
+    extra = (jnp.asarray(rng.standard_normal(K_), jnp.float32), jnp.asarray(rng.standard_normal((m, K_)), jnp.float32))
+    return a, view, col, extra if bias else None, seed
+
+
 def _tiny_nvfp4_operands(gemm: str):
     """An NVFP4 GEMM (forward or wgrad layouts, as in _operands) whose A is a tensor of values near 1e-36: its amax
     (about 4e-36) is below 448 * 6 / FLT_MAX, where the global encode scale overflowed before it was capped. B is
@@ -180,6 +195,25 @@ def test_bias_and_accumulate(recipe, dtype):
     _check(out, want, dtype, f"{recipe} bias+accumulate {jnp.dtype(dtype).name} seed={seed}")
     out2 = jax.jit(lambda a, b, bias: KERNEL[recipe](a, b, dtype, bias=bias))(a, b, bias)
     _check(out2, ref + np.asarray(bias, np.float64)[None, :], dtype, f"{recipe} bias {jnp.dtype(dtype).name}")
+
+
+@pytest.mark.parametrize("m", [17, 1000])
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias_accumulate"])
+def test_dgrad_reads_a_transposed_decoded_weight(m, bias):
+    """NVFP4 16x16 weights: dgrad with the forward's decoded weight copy read transposed (b_kn, no dequantize pass)
+    against float64 and against the same GEMM of the columnwise codes. Both GEMMs multiply the same bf16 values,
+    cuBLASLt in two layouts that may sum in other orders: fp32 results within 1e-5 (relative Frobenius) of each
+    other, where their error against float64 is ~1e-6 each; a wrong layout or scale gives order 1."""
+    a, view, col, extra, seed = _transposed_weight_operands(m, bias)
+    bias_, acc = extra or (None, None)
+    run = jax.jit(lambda a, b, bias, acc: G.blockscaled_gemm(a, b, jnp.float32, bias=bias, accumulate=acc))
+    assert "b_kn = 1" in run.lower(a, view, bias_, acc).as_text()
+    ref = _reference(a, col) + (0 if extra is None else np.asarray(bias_, np.float64) + np.asarray(acc, np.float64))
+    out_view, out_col = run(a, view, bias_, acc), run(a, col, bias_, acc)
+    _check(out_view, ref, jnp.float32, f"nvfp4 dgrad transposed weight M={m} seed={seed}")
+    diff = float(np.linalg.norm(np.asarray(out_view, np.float64) - np.asarray(out_col, np.float64)) /
+                 np.linalg.norm(ref))
+    assert diff < 1e-5, f"transposed weight against codes: {diff:.3g} (seed {seed})"
 
 
 @pytest.mark.parametrize("m", [17, 1000])

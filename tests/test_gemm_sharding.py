@@ -155,3 +155,35 @@ def test_vmapped_experts_stay_on_their_devices(recipe):
     _check_collectives(hlo, None, f"experts {recipe}")
     ref = jax.jit(fn)(xs, ws)
     assert np.array_equal(np.asarray(got), np.asarray(ref)), f"experts {recipe}: sharded != unsharded"
+
+
+@pytest.mark.parametrize("layout,reduction", [("tokens", None), ("column", None), ("row", "all-reduce")])
+def test_transposed_weight_copy_under_a_mesh(layout, reduction):
+    """B as a decoded copy read transposed (NVFP4 16x16 weights' dgrad operand: data [K, N]): its shards follow
+    the transposed layout (N split: the data's columns; K split: its rows), nothing is gathered, and the result
+    equals the unsharded call (bit for bit where the contraction is not split)."""
+    mesh = make_mesh(data=2, tensor=4)
+    qs, x, w = _operands("nvfp4", seed=11)
+    wt = w.T  # [K, N]: the weight as the dense op quantizes it for the forward (w.T's rows are its columns here)
+    xs, wts = {"tokens": (P(("data", "tensor"), None), P(None, None)),
+               "column": (P("data", None), P(None, "tensor")),
+               "row": (P("data", "tensor"), P("tensor", None))}[layout]
+
+    def fn(x, wt):
+        a = quantize(x, qs.input, ("rowwise",), decoded=("rowwise",)).rowwise
+        b = quantize(wt, qs.weight, ("rowwise",), decoded=("rowwise",)).rowwise.transpose_of()
+        assert b.transposed and b.shape == (N_, K_)
+        return table.gemm(a, b, jnp.float32)
+
+    got, hlo = _compile(fn, mesh, (xs, wts), (x, wt))
+    assert "jaxhq_gemm_dq" in hlo and "b_kn = 1" in jax.jit(fn).lower(x, wt).as_text()
+    _check_collectives(hlo, reduction, f"transposed weight {layout}")
+    ref = jax.jit(fn)(x, wt)
+    diff = np.abs(np.asarray(got, np.float64) - np.asarray(ref, np.float64))
+    if reduction is None:
+        assert np.array_equal(np.asarray(got), np.asarray(ref)), f"{layout}: max diff {diff.max():.3g}"
+    else:
+        a = quantize(x, qs.input, ("rowwise",)).rowwise
+        b = quantize(w, qs.weight, ("rowwise",)).rowwise  # 16x16 blocks: the transposed copy's values
+        bound = _bound(a, b)
+        assert np.all(diff <= bound), f"{layout}: max diff/bound {np.max(diff / bound):.3g}"

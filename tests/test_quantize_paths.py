@@ -101,6 +101,16 @@ def test_plan_shows_the_path(kernels_everywhere):
     assert "kernel|xla" in str(jaxhq.plan("hybrid:mxfp8:nvfp4", [role]))
 
 
+def test_plan_shows_a_weight_copy_read_transposed(kernels_everywhere):
+    """NVFP4 16x16 weights on a decoding GEMM platform: the columnwise copy is the decoded rowwise one read
+    transposed; with JAXHQ_TRANSPOSED_COPY=0 it is a kernel copy of its own again."""
+    role = jaxhq.QuantizerRole("linear", "weight", "layers_0.fc1")
+    assert "kernel+decoded|rowwise.T" in str(jaxhq.plan("nvfp4", [role]))
+    assert "rowwise.T" not in str(jaxhq.plan("hybrid:mxfp8:nvfp4", [role]))  # the two copies' formats differ
+    kernels_everywhere.setenv("JAXHQ_TRANSPOSED_COPY", "0")
+    assert "kernel+decoded|kernel" in str(jaxhq.plan("nvfp4", [role]))
+
+
 def test_delayed_scaling_takes_its_amax_from_the_quantize_kernel(kernels_everywhere):
     """Delayed scaling knows its scale beforehand: the quantize kernel also writes max |x| from the values it
     reads, so the program has no amax pass of its own (no reduce over x, no jaxhq_amax), and the recorded amax

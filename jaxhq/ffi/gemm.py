@@ -156,6 +156,8 @@ def fp8_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=None, accum
     fast_accum uses Hopper's faster reduced-precision FP8 accumulation (off by default).
     """
     name = "fp8 GEMM"
+    if a.transposed or b.transposed:
+        raise GemmUnsupported(f"{name}: FP8 operands are read K-major, not as transposed copies")
     ma, mb = _fp8_mode(a, name), _fp8_mode(b, name)
     (m, k), (n, kb) = a.data.shape, b.data.shape
     if k != kb:
@@ -261,6 +263,9 @@ def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=Non
         raise GemmUnsupported(f"{name}: K differs: A {a.shape} ({a.format}), B {b.shape} ({b.format})")
     if (fa == FMT_NVFP4) != (fb == FMT_NVFP4):
         raise GemmUnsupported(f"{name}: no kernel for {a.format} x {b.format}")
+    if a.transposed or (b.transposed and not b.decoded):
+        raise GemmUnsupported(f"{name}: A is a transposed copy, or B a transposed copy of codes (only a decoded B "
+                              "is read transposed)")
     if a.decoded or b.decoded:  # the values are there already: the bf16 GEMM of the dequantize path reads them
         if kernel == "wgmma":
             raise GemmUnsupported(f"{name}: the wgmma kernel reads codes, not decoded copies")
@@ -292,8 +297,10 @@ def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=Non
     call = jax.ffi.ffi_call(DQ_TARGET, (jax.ShapeDtypeStruct((m, n), out_dtype), ws), input_output_aliases=aliases,
                             vmap_method="sequential")
     data = lambda s: s.data if s.decoded else _u8(s.data)  # noqa: E731  (decoded: bf16, read as such)
+    # b_kn: B's data is [K, N] (a transposed decoded copy: its scales are not read)
     return call(data(a), _u8(a.scale_inv), amax_a, data(b), _u8(b.scale_inv), amax_b, bias_, c,
-                fmt_a=np.int32(fa), fmt_b=np.int32(fb), k=np.int64(k), accumulate=np.int32(accumulate is not None))[0]
+                fmt_a=np.int32(fa), fmt_b=np.int32(fb), k=np.int64(k), accumulate=np.int32(accumulate is not None),
+                b_kn=np.int32(b.transposed))[0]
 
 
 

@@ -271,7 +271,8 @@ def _entry(axes: tuple):
 class _GemmSides:
     """The leaves of A and B (data, scales, amax) and, per leaf, how many logical rows and K elements one entry
     covers (None for a scalar): a shard is whole blocks for every leaf when its size along M (N, K) is a
-    multiple of `gm` (`gn`, `gk`), the lcm of those counts and of the format's block rows."""
+    multiple of `gm` (`gn`, `gk`), the lcm of those counts and of the format's block rows. A transposed B
+    (`Storage.transposed`) has its leaves' last two dims as (K, N)."""
 
     def __init__(self, a, b):
         from ..sharding.gather import block_shape
@@ -279,11 +280,13 @@ class _GemmSides:
         self.b_leaves, self.b_tree = jax.tree.flatten(b)
         self.a, self.b = a, b
         (self.m, self.k), self.n = a.shape, b.shape[0]
+        self.b_kn = b.transposed
 
         def per_entry(s, leaves):
             rows, k = s.shape
             nb = s.data.ndim - 2
-            return [None if l.ndim == nb else (-(-rows // l.shape[-2]), -(-k // l.shape[-1])) for l in leaves]
+            dims = lambda l: l.shape[-1:-3:-1] if s.transposed else l.shape[-2:]  # noqa: E731  (rows, K) entries
+            return [None if l.ndim == nb else (-(-rows // dims(l)[0]), -(-k // dims(l)[1])) for l in leaves]
         self.a_per, self.b_per = per_entry(a, self.a_leaves), per_entry(b, self.b_leaves)
         per = [p for p in self.a_per + self.b_per if p]
         self.gk = math.lcm(*(p[1] for p in per))
@@ -311,11 +314,14 @@ class _GemmSides:
 
         lead = "".join(f"b{i} " for i in range(nbatch))
         ins = []
-        for leaves, pers, rows, full, g in ((self.a_leaves, self.a_per, "m", self.m, self.gm),
-                                            (self.b_leaves, self.b_per, "n", self.n, self.gn)):
+        for leaves, pers, rows, full, g, kn in ((self.a_leaves, self.a_per, "m", self.m, self.gm, False),
+                                                (self.b_leaves, self.b_per, "n", self.n, self.gn, self.b_kn)):
             for p in pers:
-                ins.append(lead.strip() if p is None else
-                           lead + dim(rows, full, g, p[0]) + " " + dim("k", self.k, self.gk, p[1]))
+                if p is None:
+                    ins.append(lead.strip())
+                    continue
+                r, kk = dim(rows, full, g, p[0]), dim("k", self.k, self.gk, p[1])
+                ins.append(lead + (f"{kk} {r}" if kn else f"{r} {kk}"))
         m_out, n_out = dim("m", self.m, self.gm, 1), dim("n", self.n, self.gn, 1)
         if has_bias:
             ins.append(lead + n_out)
@@ -376,8 +382,9 @@ def _gemm_fn(kernel, sides: _GemmSides, out_dtype, has_bias: bool, has_acc: bool
         la, lb = sides.local(ways)
 
         def shaped(s, rows_w):
+            w = (ways[2], rows_w) if s.transposed else (rows_w, ways[2])
             return jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape if l.ndim < 2 else l.shape[:-2] + (
-                l.shape[-2] // rows_w, l.shape[-1] // ways[2]), l.dtype), s)
+                l.shape[-2] // w[0], l.shape[-1] // w[1]), l.dtype), s)
         try:  # the kernel must take the local shapes too (alignment of N, K % 16, ...)
             jax.eval_shape(lambda a, b: kernel(a, b, out_dtype), shaped(la, ways[0]), shaped(lb, ways[1]))
         except GemmUnsupported:
@@ -388,6 +395,8 @@ def _gemm_fn(kernel, sides: _GemmSides, out_dtype, has_bias: bool, has_acc: bool
         """Mesh axes of (batch dims, M, N, K) and the K axes the output is scattered on along M."""
         lead, m, ka = _split_spec(arg_shapes[0].sharding.spec, nbatch)
         _, n, kb = _split_spec(arg_shapes[na].sharding.spec, nbatch)
+        if sides.b_kn:
+            n, kb = kb, n
         m = _axes_tuple(m)
         n = tuple(x for x in _axes_tuple(n) if x not in m)
         k = tuple(x for x in (_axes_tuple(ka) or _axes_tuple(kb)) if x not in m + n)
@@ -405,7 +414,9 @@ def _gemm_fn(kernel, sides: _GemmSides, out_dtype, has_bias: bool, has_acc: bool
         return lead, m, n, k, scatter
 
     def shardings(mesh, lead, m, n, k, scatter):
-        specs = [PS(*lead) if p is None else PS(*lead, _entry(m if i < na else n), _entry(k))
+        specs = [PS(*lead) if p is None else
+                 PS(*lead, _entry(k), _entry(n)) if i >= na and sides.b_kn else
+                 PS(*lead, _entry(m if i < na else n), _entry(k))
                  for i, p in enumerate(pers)]
         out = PS(*lead, _entry(m + scatter), _entry(n))
         specs += ([PS(*lead, _entry(n))] if has_bias else []) + ([out] if has_acc else [])

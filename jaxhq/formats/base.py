@@ -56,7 +56,7 @@ class Storage:
     """One copy of a quantized tensor: data, inverse scales and (per-tensor formats) the amax.
 
     `shape` is the logical 2D shape of this copy ([M, K] rowwise, [K, M] columnwise). A `decoded` copy holds the
-    values of its codes instead of the codes (see the field).
+    values of its codes instead of the codes; a `transposed` one holds them transposed (see the fields).
     """
 
     data: Any
@@ -68,10 +68,20 @@ class Storage:
     # MXFP8 / NVFP4 made by the kernels for a GEMM that reads values (the dequantize path of Hopper): `data` is
     # bfloat16 [rows, cols], each code times its block scale (NVFP4: not the global one); `scale_inv` as usual.
     decoded: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # A decoded copy that is the other orientation's copy read transposed: `data` (bf16 [cols, rows]), `scale_inv`
+    # and `amax` are that copy's, unchanged. Made where both copies hold the same values (`transpose_of`).
+    transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def dequantize(self):
         """float32 values in this copy's layout, with any transform (RHT) undone."""
+        if self.transposed:
+            return self.transpose_of().dequantize().T
         return self.quantizer.dequantize_2d(self)
+
+    def transpose_of(self) -> "Storage":
+        """The other orientation's copy as this one reads it transposed (`transposed` flips; the arrays stay)."""
+        other = ROWWISE if self.axis == COLUMNWISE else COLUMNWISE
+        return dataclasses.replace(self, axis=other, shape=self.shape[::-1], transposed=not self.transposed)
 
     @property
     def format(self) -> str:

@@ -10,7 +10,9 @@ The kernel may be wider than x (the layers pass their float32 master weight): th
 `kernel.astype(x.dtype)`, and the quantize kernels round each value as they read it, so that cast is not written
 and read again (`quantize(..., cast_to=x.dtype)`). The weight's gradient comes out of the wgrad GEMM in x's dtype
 and is returned in the kernel's.
-The forward saves only the columnwise copies (never x or w in high precision unless their slot is Identity).
+The forward saves only the columnwise copies (never x or w in high precision unless their slot is Identity);
+where the weight's columnwise copy is its decoded rowwise one read transposed (NVFP4 16x16 blocks on Hopper,
+`ops.gemm.shares_transposed_copy`), that is the copy saved.
 Delayed-scaling state: the input and weight states are updated by the forward (returned), the grad_output
 state through the gradient: the cotangent returned for `states["grad_output"]` is its new value.
 Sharding (FSDP): with `weight_sharding` (jaxhq.sharding.WeightSharding) the weight is quantized per shard and
@@ -24,6 +26,7 @@ its output onto the length split, and the backward mirrors both; see jaxhq/shard
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -34,7 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 from ..formats import COLUMNWISE, ROWWISE, QTensor, quantize, update_state
 from ..recipes import DenseQuantizers
 from ..sharding.sequence import sequence_plan
-from .gemm import decoded_copies, gemm
+from .gemm import decoded_copies, gemm, shares_transposed_copy
 
 SLOTS = ("input", "weight", "grad_output")
 
@@ -85,8 +88,15 @@ def _forward(x, kernel, bias, states, key, qs: DenseQuantizers, usage_x, usage_w
                                                  decoded=dec)
     # sequence parallel: each device quantizes its tokens, the copies are all-gathered as quantized bytes
     qx = sp.quantize(quantize_x, qs.input, usage_x, gather_columnwise=False) if gathered else quantize_x(usage_x, now)
-    qw = _quantize(kernel, qs, "weight", usage_w, kw, states.get("weight"), transposed=True,  # copies of kernel.T
-                   cast_to=x.dtype, decoded=now)
+    # Where the weight's two copies hold the same values (NVFP4 16x16 blocks), the dgrad GEMM reads the forward's
+    # decoded copy transposed (ops.gemm.shares_transposed_copy): one copy is made, not two.
+    share = COLUMNWISE in usage_w and bool(now) and shares_transposed_copy(qs.weight)
+    quantize_w = lambda usage, dec: _quantize(kernel, qs, "weight", usage, kw, states.get("weight"),  # noqa: E731
+                                              transposed=True, cast_to=x.dtype, decoded=dec)  # copies of kernel.T
+    qw = quantize_w((ROWWISE,) if share else usage_w, now)
+    if share:  # (a copy that came back as codes, e.g. on the xla path, cannot be read transposed)
+        col = qw.rowwise.transpose_of() if qw.rowwise.decoded else quantize_w((COLUMNWISE,), ()).columnwise
+        qw = dataclasses.replace(qw, columnwise=col)
     if wsh is not None:  # sharding hook: keep the quantized copies sharded like the kernel
         qw = wsh.shard(qw)
     w_fwd = qw.rowwise if wsh is None else wsh.gathered(qw.rowwise)  # all-gather of quantized bytes

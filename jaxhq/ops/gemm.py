@@ -1,6 +1,7 @@
 """The GEMM dispatch table: (format of A, format of B, platform) -> implementation of A @ B.T.
 
-Both operands are storages laid out K-major (data [M, K] and [N, K], blocks along K). The CPU entries are
+Both operands are storages laid out K-major (data [M, K] and [N, K], blocks along K; a decoded B may instead be
+another copy read transposed, `Storage.transposed`, data [K, N]: see shares_transposed_copy). The CPU entries are
 exact: dequantize to fp32 and `dot_general` with fp32 accumulation (Identity pairs are a plain dot in the
 input dtype, so the bf16 recipe is bit-identical to `x @ w`). GPU kernels register themselves in the same
 table. A pair with no entry raises at trace time, naming the GEMM, both roles and both formats, unless the
@@ -125,6 +126,23 @@ def decoded_copies(quantizer, usage) -> tuple:
     if os.environ.get("JAXHQ_MXFP8_GEMM") == "wgmma":  # that kernel reads codes
         fams = tuple(f for f in fams if f != "mxfp8")
     return tuple(a for a in usage if side(quantizer, a).name in fams)
+
+
+def shares_transposed_copy(quantizer) -> bool:
+    """Whether the dense op's dgrad reads the weight's forward copy transposed instead of a columnwise copy of its
+    own: where both copies are the same NVFP4 16x16-block quantization (no Hadamard transform, no stochastic
+    rounding), the columnwise copy holds the rowwise one's values transposed, and where that copy is decoded
+    (decoded_copies) the bf16 GEMM reads it in either layout (`Storage.transposed`). The weight's launch then
+    makes one copy instead of two, and the dgrad GEMM no dequantize pass; the saved copy is the decoded one (bf16,
+    as bf16's own saved weight) instead of codes. JAXHQ_TRANSPOSED_COPY=0 turns it off (A/B timing)."""
+    from ..formats.hybrid import side
+    from ..formats.nvfp4 import NVFP4
+    from ..formats.base import COLUMNWISE, ROWWISE
+    if os.environ.get("JAXHQ_TRANSPOSED_COPY", "1") == "0":
+        return False
+    q = side(quantizer, ROWWISE)
+    return (isinstance(q, NVFP4) and q == side(quantizer, COLUMNWISE) and q.block_2d and not q.rht
+            and not q.stochastic_rounding and decoded_copies(quantizer, (ROWWISE,)) == (ROWWISE,))
 
 
 def _decoding_gemm(mode: str) -> bool:

@@ -163,13 +163,38 @@ ffi::Error nvfp4_amaxes(const ffi::AnyBuffer& amax_a, const ffi::AnyBuffer& amax
   return ffi::Error::Success();
 }
 
+// B stored [K, N] (b_kn: a decoded copy read transposed) -> the operand [N, K] as gemm_rows reads it.
+ffi::Error transposed_operand(const ffi::AnyBuffer& d, const ffi::AnyBuffer& s, int32_t fmt, int64_t k,
+                              const char* who, Operand* o, std::vector<float>* values) {
+  auto dd = d.dimensions();
+  if (d.element_type() != ffi::DataType::BF16 || dd.size() != 2 || dd[0] != k)
+    return invalid(std::string(who) + " is read transposed: a decoded (bf16) copy [K, N] with K = " + std::to_string(k) +
+                   " is needed, got " + dims(d));
+  Operand t;  // the copy as it is stored: [K, N]
+  if (auto e = dq_operand(d, s, fmt, dd[1], 1, who, &t); e.failure()) return e;
+  const std::vector<float> kn = decode(t, 0);
+  const int64_t n = dd[1];
+  values->resize(size_t(n * k));
+  for (int64_t i = 0; i < k; ++i)
+    for (int64_t j = 0; j < n; ++j) (*values)[j * k + i] = kn[i * n + j];
+  *o = t;
+  o->rows = n, o->k = k;
+  return ffi::Error::Success();
+}
+
 ffi::Error gemm_dq(ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi::AnyBuffer amax_a, ffi::AnyBuffer b, ffi::AnyBuffer sb,
                    ffi::AnyBuffer amax_b, ffi::AnyBuffer bias, ffi::AnyBuffer c, ffi::Result<ffi::AnyBuffer> out,
-                   int32_t fmt_a, int32_t fmt_b, int64_t k, int32_t accumulate,
+                   int32_t fmt_a, int32_t fmt_b, int64_t k, int32_t accumulate, int32_t b_kn,
                    ffi::Result<ffi::AnyBuffer> /*workspace*/) {
   Operand oa, ob;
+  std::vector<float> bv;
   if (auto e = dq_operand(a, sa, fmt_a, k, 1, "A", &oa); e.failure()) return e;
-  if (auto e = dq_operand(b, sb, fmt_b, k, 1, "B", &ob); e.failure()) return e;
+  if (b_kn) {
+    if (auto e = transposed_operand(b, sb, fmt_b, k, "B", &ob, &bv); e.failure()) return e;
+  } else {
+    if (auto e = dq_operand(b, sb, fmt_b, k, 1, "B", &ob); e.failure()) return e;
+    bv = decode(ob, 0);
+  }
   if ((fmt_a == kNvfp4Fmt) != (fmt_b == kNvfp4Fmt)) return invalid("NVFP4 pairs only with NVFP4");
   double alpha = 1.0;
   if (fmt_a == kNvfp4Fmt) {
@@ -177,7 +202,7 @@ ffi::Error gemm_dq(ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi::AnyBuffer amax_a, f
     alpha = double(nvfp4_global_decode(scalar(amax_a, 0)) * nvfp4_global_decode(scalar(amax_b, 0)));
   }
   if (auto e = check_out(bias, c, *out, oa.rows, ob.rows, ob.rows, accumulate); e.failure()) return e;
-  gemm_rows(decode(oa, 0), decode(ob, 0), 0, oa.rows, ob.rows, k, alpha, bias, 0, c, accumulate, *out);
+  gemm_rows(decode(oa, 0), bv, 0, oa.rows, ob.rows, k, alpha, bias, 0, c, accumulate, *out);
   return ffi::Error::Success();
 }
 

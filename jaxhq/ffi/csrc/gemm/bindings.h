@@ -82,9 +82,10 @@ auto dq_tail(B&& b) {
       .template Attr<int32_t>("accumulate");
 }
 
+// b_kn: B's data is [K, N], a decoded copy read transposed (jaxhq.formats.Storage.transposed)
 template <typename B>
 auto gemm_dq(B&& b) {
-  return dq_tail(dq(std::move(b))).template Ret<ffi::AnyBuffer>();  // + workspace
+  return dq_tail(dq(std::move(b))).template Attr<int32_t>("b_kn").template Ret<ffi::AnyBuffer>();  // + workspace
 }
 
 template <typename B>

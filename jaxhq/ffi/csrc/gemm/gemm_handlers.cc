@@ -119,6 +119,7 @@ struct LtCall {
   bool accumulate;                  // out += ...
   bool fast_accum;
   const float* alpha_beta;          // device {alpha, beta} (null: host 1 and accumulate ? 1 : 0)
+  bool b_kn;                        // our B is stored [K, N] (a transposed bf16 operand)
 };
 
 struct Plan {
@@ -153,7 +154,7 @@ struct Descs {
 std::string build(const LtCall& c, bool fused, uint32_t align_d, Descs* ds) {
   const auto& A = lt::api();
   LT_TRY(A.MatmulDescCreate(&ds->op, lt::kCompute32F, lt::kR32F), "cublasLtMatmulDescCreate");
-  int32_t ta = lt::kOpT, tb = lt::kOpN;
+  int32_t ta = c.b_kn ? lt::kOpN : lt::kOpT, tb = lt::kOpN;
   LT_TRY(A.MatmulDescSetAttribute(ds->op, lt::kDescTransA, &ta, sizeof(ta)), "set TRANSA");
   LT_TRY(A.MatmulDescSetAttribute(ds->op, lt::kDescTransB, &tb, sizeof(tb)), "set TRANSB");
   if (c.alpha_beta) {
@@ -181,7 +182,8 @@ std::string build(const LtCall& c, bool fused, uint32_t align_d, Descs* ds) {
     LT_TRY(A.MatmulDescSetAttribute(ds->op, lt::kDescBiasPointer, &c.bias, sizeof(void*)), "set BIAS_POINTER");
     LT_TRY(A.MatmulDescSetAttribute(ds->op, lt::kDescBiasDataType, &c.out_type, sizeof(int32_t)), "set BIAS_DATA_TYPE");
   }
-  LT_TRY(A.MatrixLayoutCreate(&ds->la, c.type_b, c.k, c.n, c.k), "layout A");
+  if (c.b_kn) LT_TRY(A.MatrixLayoutCreate(&ds->la, c.type_b, c.n, c.k, c.n), "layout A");
+  else LT_TRY(A.MatrixLayoutCreate(&ds->la, c.type_b, c.k, c.n, c.k), "layout A");
   LT_TRY(A.MatrixLayoutCreate(&ds->lb, c.type_a, c.k, c.m, c.k), "layout B");
   LT_TRY(A.MatrixLayoutCreate(&ds->lc, c.out_type, c.n, c.m, c.n), "layout C/D");
   LT_TRY(A.MatmulPreferenceCreate(&ds->pref), "preference");
@@ -197,10 +199,10 @@ std::string plan_key(const LtCall& c, bool fused, uint32_t align_d) {
   char buf[320];
   int dev = 0;
   cudaGetDevice(&dev);
-  snprintf(buf, sizeof(buf), "%d|%d,%d|%lld,%lld,%lld|%d,%d,%d,%d|%d|%d,%d,%d|%d|%d|%u,%u,%u", dev, c.type_a,
+  snprintf(buf, sizeof(buf), "%d|%d,%d|%lld,%lld,%lld|%d,%d,%d,%d|%d|%d,%d,%d|%d|%d|%u,%u,%u|%d", dev, c.type_a,
            c.type_b, (long long)c.m, (long long)c.n, (long long)c.k, c.scale_a != nullptr, c.scale_b != nullptr,
            c.mode_a, c.mode_b, c.out_type, fused && c.bias != nullptr, fused && c.accumulate, c.fast_accum,
-           c.alpha_beta != nullptr, int(fused), alignment_of(c.a), alignment_of(c.b), align_d);
+           c.alpha_beta != nullptr, int(fused), alignment_of(c.a), alignment_of(c.b), align_d, int(c.b_kn));
   return buf;
 }
 
@@ -606,13 +608,16 @@ ffi::Error check_dq(const ffi::AnyBuffer& x, const ffi::AnyBuffer& s, int64_t gr
 // would write) is used where it lies.
 bool decoded(const ffi::AnyBuffer& x) { return x.element_type() == ffi::DataType::BF16; }
 
+// kn: the operand is a decoded copy stored [K, rows] (read transposed).
 ffi::Error dequant(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuffer& x, const ffi::AnyBuffer& s,
-                   int32_t fmt, int64_t k, const char* which, void** out, int64_t* rows) {
+                   int32_t fmt, int64_t k, const char* which, void** out, int64_t* rows, bool kn = false) {
   auto d = x.dimensions();
   if (d.size() != 2) return invalid(std::string(which) + " data must be 2D, got " + dims(x));
-  *rows = d[0];
+  *rows = d[kn ? 1 : 0];
+  if (kn && !decoded(x)) return invalid(std::string(which) + " is read transposed, which needs a decoded (bf16) copy");
   if (decoded(x)) {
-    if (d[1] != k) return invalid(std::string(which) + " is decoded " + dims(x) + ", K = " + std::to_string(k));
+    if (d[kn ? 0 : 1] != k)
+      return invalid(std::string(which) + " is decoded " + dims(x) + (kn ? " ([K, N])" : "") + ", K = " + std::to_string(k));
     *out = const_cast<void*>(x.untyped_data());
     return ffi::Error::Success();
   }
@@ -662,7 +667,7 @@ ffi::Error gemm_native(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuff
 ffi::Error gemm_dq(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi::AnyBuffer amax_a, ffi::AnyBuffer b,
                    ffi::AnyBuffer sb, ffi::AnyBuffer amax_b, ffi::AnyBuffer bias, ffi::AnyBuffer cin,
                    ffi::Result<ffi::AnyBuffer> out, int32_t fmt_a, int32_t fmt_b, int64_t k, int32_t accumulate,
-                   ffi::Result<ffi::AnyBuffer> workspace) {
+                   int32_t b_kn, ffi::Result<ffi::AnyBuffer> workspace) {
   Scratch scratch{workspace};
   if (native_block_scaling() && k % 32 == 0 && !(fmt_a == kMxE5M2 && fmt_b == kMxE5M2) && !decoded(a) && !decoded(b)) {
     auto da = a.dimensions(), db = b.dimensions();
@@ -679,8 +684,9 @@ ffi::Error gemm_dq(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi
   void *da = nullptr, *db = nullptr;
   if ((fmt_a == kNvfp4) != (fmt_b == kNvfp4)) return invalid("NVFP4 pairs only with NVFP4");
   if (auto e = dequant(stream, scratch, a, sa, fmt_a, k, "A", &da, &c.m); e.failure()) return e;
-  if (auto e = dequant(stream, scratch, b, sb, fmt_b, k, "B", &db, &c.n); e.failure()) return e;
+  if (auto e = dequant(stream, scratch, b, sb, fmt_b, k, "B", &db, &c.n, b_kn != 0); e.failure()) return e;
   c.k = k;
+  c.b_kn = b_kn != 0;
   if (auto e = check_out(c.m, c.n, bias, cin, out, accumulate, &c); e.failure()) return e;
   if (c.m == 0 || c.n == 0) return ffi::Error::Success();
   c.type_a = c.type_b = lt::kR16BF;
