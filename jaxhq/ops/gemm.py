@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..formats import Storage
+from ..formats import COLUMNWISE, ROWWISE, Storage
 from ..formats.nvfp4 import NVFP4
 
 TN = (((1,), (1,)), ((), ()))  # contract the last axis of both operands
@@ -136,8 +136,6 @@ def shares_transposed_copy(quantizer) -> bool:
     makes one copy instead of two, and the dgrad GEMM no dequantize pass; the saved copy is the decoded one (bf16,
     as bf16's own saved weight) instead of codes. JAXHQ_TRANSPOSED_COPY=0 turns it off (A/B timing)."""
     from ..formats.hybrid import side
-    from ..formats.nvfp4 import NVFP4
-    from ..formats.base import COLUMNWISE, ROWWISE
     if os.environ.get("JAXHQ_TRANSPOSED_COPY", "1") == "0":
         return False
     q = side(quantizer, ROWWISE)
