@@ -215,14 +215,15 @@ def test_attention_on_gpu_runs_cudnn_and_matches_xla():
 def test_per_layer_factory_lands_in_residuals(monkeypatch):
     seen = []
     dense_mod = importlib.import_module("jaxhq.ops.dense")
-    orig = dense_mod._quantize
+    orig = dense_mod._forward
 
-    def spy(t, qs, slot, usage, key, state, **kw):
-        qt = orig(t, qs, slot, usage, key, state, **kw)
-        seen.append((qs.role(slot), qt.columnwise.format if qt.columnwise is not None else None))
-        return qt
+    def spy(x, kernel, bias, states, key, qs, *args, **kw):  # the copies the forward hands to the residuals
+        out = orig(x, kernel, bias, states, key, qs, *args, **kw)
+        for slot, qt in (("input", out[2]), ("weight", out[3])):
+            seen.append((qs.role(slot), qt.columnwise.format if qt.columnwise is not None else None))
+        return out
 
-    monkeypatch.setattr(dense_mod, "_quantize", spy)
+    monkeypatch.setattr(dense_mod, "_forward", spy)
     dpa_calls = []
     monkeypatch.setattr(jaxhq.layers.attention, "quantized_attention",
                         lambda *a, **k: dpa_calls.append(1))
