@@ -114,8 +114,8 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     elif need_amax:
         amax_plain, amax_rht = PT.amax(x2d, rht=need_rht)
 
-    # Each copy's scalar: the amax (current scaling: the kernel computes scale and scale_inv from it, so no
-    # small XLA kernels surround the launch), the state's scale (delayed) or NVFP4's global encode.
+    # Each copy's scalar: the amax (current scaling and NVFP4: the kernel computes the scale and scale_inv, or the
+    # global encode, from it, so no small XLA kernels surround the launch) or the state's scale (delayed).
     values, amaxes, key_words, eps = {}, {}, jnp.zeros((2,), jnp.uint32), None
     for a in USAGES:
         v = ids.get(a)
@@ -133,10 +133,11 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
             else:
                 s = _fp8.scale_from_amax(amax_plain, q.fmt, q.amax_epsilon, q.power_2_scale)
                 ids[a] = (P.FP8_TENSOR, v[1] & ~(P.OPT_FROM_AMAX | P.OPT_POW2))
-        elif v is not None and v[0] == P.NVFP4:
+        elif v is not None and v[0] == P.NVFP4:  # the kernel computes the global encode from the amax
             am = amax_rht if v[1] & P.OPT_RHT else amax_plain
             amaxes[a] = am
-            s = _nv.global_encode(am)
+            ids[a] = (P.NVFP4, v[1] | P.OPT_FROM_AMAX)
+            s = am if raw is None or v[1] & P.OPT_RHT else raw
             if v[1] & P.OPT_SR:
                 if key is None:
                     return None  # the reference raises the helpful error

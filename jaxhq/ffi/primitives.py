@@ -97,7 +97,8 @@ def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False
 
     scales [..., 2] float32 (or [..., 1], one for both copies): the per-tensor scale (FP8; with OPT_FROM_AMAX
     the amax, from which the kernel computes the scale as fp8.scale_from_amax with `amax_eps`) or the global
-    encode scale (NVFP4) of each copy. A per-tensor copy's scale output is its scale_inv [...] float32.
+    encode scale (NVFP4; with OPT_FROM_AMAX the amax, from which the kernel computes nvfp4.global_encode) of each
+    copy. A per-tensor copy's scale output is its scale_inv [...] float32.
     seed [..., 6] uint32: stochastic-rounding key (2 words), then this shard's offset in the global x (row,
     column) and the global (M, K), see `seed_words`. Absent outputs are None.
     poison: write into outputs first filled with 0xFF bytes (tests: proves every element is written).

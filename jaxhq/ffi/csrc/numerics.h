@@ -35,7 +35,8 @@ enum Option : int32_t {
   kBlock2D = 4,     // NVFP4: 16x16 tiles
   kRHT = 8,         // NVFP4: random Hadamard transform along the copy's last axis
   kStochastic = 16, // NVFP4: stochastic rounding
-  kFromAmax = 32,   // FP8 per-tensor: the input scalar is the amax; the scale is tensor_scale of it
+  kFromAmax = 32,   // FP8 per-tensor / NVFP4: the input scalar is the amax; the scale is tensor_scale of it (the
+                    // global encode nvfp4_global_encode of it)
   kBf16Input = 64,  // the copy is made from float32 x rounded to bfloat16 as it is read (x.astype(bfloat16)); the
                     // two copies of a launch agree (the launch reads x once)
   kDecoded = 128,   // MXFP8 / NVFP4: the data output holds the copy's values instead of its codes, bfloat16 [R, C]:
@@ -180,10 +181,18 @@ JHQ_HD float tensor_scale(float amax, float fmt_max, float eps, bool pow2) {
 // The FP8 blockwise scale (E4M3, eps = 0).
 JHQ_HD float block_scale(float amax, bool pow2) { return tensor_scale(amax, fp8_max(false), 0.0f, pow2); }
 
-// The scalar a quantized copy uses, from the value it is given: with kFromAmax (FP8 per-tensor) that value is
-// the amax and the scale is tensor_scale of it; otherwise it is the scale (FP8) or NVFP4's global encode.
+// nvfp4.global_encode: min(448 * 6 / amax, 2^118), 1 for a zero amax (NaN for NaN, 0 for inf).
+JHQ_HD float nvfp4_global_encode(float amax) {
+  return amax == 0.0f ? 1.0f : nmin(div_ref(448.0f * 6.0f, amax), kMaxNvfp4GlobalEncode);
+}
+
+// The scalar a quantized copy uses, from the value it is given: with kFromAmax that value is the amax, and the
+// scalar is tensor_scale of it (FP8 per-tensor) or nvfp4_global_encode of it; otherwise it is the scale (FP8) or
+// NVFP4's global encode itself.
 JHQ_HD float copy_scalar_of(float given, int32_t fmt, int32_t opts, float amax_eps) {
-  if (fmt != kFp8Tensor || !(opts & kFromAmax)) return given;
+  if (!(opts & kFromAmax)) return given;
+  if (fmt == kNvfp4) return nvfp4_global_encode(given);
+  if (fmt != kFp8Tensor) return given;
   return tensor_scale(given, fp8_max(opts & kE5M2), amax_eps, opts & kPow2);
 }
 
