@@ -35,8 +35,8 @@ enum Option : int32_t {
   kBlock2D = 4,     // NVFP4: 16x16 tiles
   kRHT = 8,         // NVFP4: random Hadamard transform along the copy's last axis
   kStochastic = 16, // NVFP4: stochastic rounding
-  kFromAmax = 32,   // FP8 per-tensor / NVFP4: the input scalar is the amax; the scale is tensor_scale of it (the
-                    // global encode nvfp4_global_encode of it)
+  kFromAmax = 32,   // FP8 per-tensor / NVFP4: the input scalar is the amax; the scale is tensor_scale of it
+                    // (NVFP4: the global encode is nvfp4_global_encode of it)
   kBf16Input = 64,  // the copy is made from float32 x rounded to bfloat16 as it is read (x.astype(bfloat16)); the
                     // two copies of a launch agree (the launch reads x once)
   kDecoded = 128,   // MXFP8 / NVFP4: the data output holds the copy's values instead of its codes, bfloat16 [R, C]:
