@@ -201,10 +201,8 @@ def test_quantize_kernel_matches_cpu_code(emu, q, shape, dtype_id, batch):
         if usage[0][0] == P.NONE and usage[1][0] == P.NONE:
             continue
         x = _input(shape, dtype_id, batch, special)
-        # per-tensor copies: the scalar is a scale, or (FROM_AMAX) an amax, shared by both copies in the special
-        # case, which also takes an eps above some amaxes; there NVFP4 takes its scalar as the amax too
-        if special:
-            usage = tuple((f, o | P.OPT_FROM_AMAX) if f == P.NVFP4 else (f, o) for f, o in usage)
+        # per-tensor copies: the scalar is a scale, or (FROM_AMAX: FP8 current scaling, NVFP4) an amax, shared by
+        # both copies in the special case, which also takes an eps above some amaxes
         scales = rng.uniform(0.5, 300.0, (batch, 1 if special else 2)).astype(np.float32)
         eps = 1.0 if special else 0.0
         seed = np.array([[*rng.integers(0, 2 ** 32, 2), 0, 0, *shape]] * batch, np.uint32)

@@ -33,10 +33,10 @@ def format_id(q, axis: str) -> Optional[tuple]:
         return P.FP8_TENSOR, e5
     if isinstance(q, MXFP8):
         return P.MXFP8, e5
-    if isinstance(q, NVFP4):
+    if isinstance(q, NVFP4):  # the kernel computes the global encode from the amax it is given
         opts = ((P.OPT_BLOCK2D if q.block_2d else 0) | (P.OPT_RHT if q.uses_rht(axis) else 0)
                 | (P.OPT_SR if q.stochastic_rounding else 0))
-        return P.NVFP4, opts
+        return P.NVFP4, opts | P.OPT_FROM_AMAX
     if isinstance(q, Float8Block):
         fid = P.FP8_BLOCK_1x128 if q.block == (1, 128) else P.FP8_BLOCK_128x128
         return fid, (P.OPT_POW2 if q.power_2_scale else 0)
@@ -133,10 +133,9 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
             else:
                 s = _fp8.scale_from_amax(amax_plain, q.fmt, q.amax_epsilon, q.power_2_scale)
                 ids[a] = (P.FP8_TENSOR, v[1] & ~(P.OPT_FROM_AMAX | P.OPT_POW2))
-        elif v is not None and v[0] == P.NVFP4:  # the kernel computes the global encode from the amax
+        elif v is not None and v[0] == P.NVFP4:
             am = amax_rht if v[1] & P.OPT_RHT else amax_plain
             amaxes[a] = am
-            ids[a] = (P.NVFP4, v[1] | P.OPT_FROM_AMAX)
             s = am if raw is None or v[1] & P.OPT_RHT else raw
             if v[1] & P.OPT_SR:
                 if key is None:
