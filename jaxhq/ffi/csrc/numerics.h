@@ -309,14 +309,9 @@ JHQ_HD float e4m3_value(uint8_t b) {
 #endif
 }
 JHQ_HD float nvfp4_decode_value(float amax_b, float genc) { return e4m3_value(nvfp4_scale_byte(amax_b, genc)); }
-// nvfp4.global_encode's reciprocal, the factor the GEMMs apply per operand: 1 / min(448 * 6 / amax, 2^118) (1 for
-// a zero amax; NaN for NaN, inf for inf, as the division gives).
-JHQ_HD float nvfp4_global_decode(float amax) {
-  if (amax == 0.0f) return 1.0f;
-  float genc = (448.0f * 6.0f) / amax;
-  if (genc > kMaxNvfp4GlobalEncode) genc = kMaxNvfp4GlobalEncode;
-  return 1.0f / genc;
-}
+// nvfp4.global_encode's reciprocal, the factor the GEMMs apply per operand: 1 / nvfp4_global_encode(amax), of the
+// very global encode the quantize kernels used (1 for a zero amax; NaN for NaN, inf for inf).
+JHQ_HD float nvfp4_global_decode(float amax) { return 1.0f / nvfp4_global_encode(amax); }
 JHQ_HD float nvfp4_encode_mult(float dec, float genc) { return dec == 0.0f ? 0.0f : div_ref(genc, dec); }
 // MXFP8: q = amax / fmt_max, likewise computed as amax * (1 / fmt_max).
 JHQ_HD float mx_q(float amax, bool e5m2) { return amax * (e5m2 ? (1.0f / 57344.0f) : (1.0f / 448.0f)); }
