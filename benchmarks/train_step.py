@@ -10,7 +10,8 @@ idle gap, and kernels per step. --paths runs each quantized recipe with the quan
 kernels or by XLA's fusion of the reference (JAXHQ_QUANTIZE_PATH), to choose the default per format.
 --rounds R > 1 times every recipe R - 1 times more after all have run, in turn (a fresh state each time), so
 clock and power drift during the run hits all recipes alike: step_ms is then the median over the rounds and
-vs_bf16 the median of each round's ratio.
+vs_bf16 the median of each round's ratio. The JSON is written after the first pass and again after every round, so
+a run cut short keeps what it timed (`meta.rounds_done`, `meta.final`); --budget-s also stops the rounds.
 
     python benchmarks/train_step.py                    # on a GPU, the H100 preset: d 4096, FFN 14336 gated, 32 heads, seq 4096
     python benchmarks/train_step.py --preset quick     # a smaller stack for a quick look
@@ -196,10 +197,31 @@ def main():
         print(f"    top ops: {r.get('top_ops')}", flush=True)
         print("    kernels by origin: " + ", ".join(f"{c}/{o} {n:g}" for c, o, n in r.get("kernels_by_origin", [])),
               flush=True)
+    def save(final: bool) -> str:  # after the first pass and every round: a run cut short keeps what it timed
+        summarize(rows, cfg, batch)
+        return write_json("train_step", rows, a.out, config=dict(cfg.__dict__), batch=batch, skipped=skipped,
+                          rounds_done=len(rows[0]["step_ms_rounds"]) if rows else 0, final=final)
+
+    save(final=False)
     for i in range(1, a.rounds):  # every recipe again, in turn
+        if a.budget_s is not None and time.perf_counter() - t_start > a.budget_s:
+            print(f"  rounds stopped after {i} (time budget)", flush=True)
+            break
         for r, window in zip(rows, windows):
             r["step_ms_rounds"].append(1e3 * window())
         print(f"  round {i}: " + "  ".join(f"{r['recipe']} {r['step_ms_rounds'][-1]:.2f}" for r in rows), flush=True)
+        save(final=False)
+    out = save(final=True)
+    print_table(rows, ["recipe", "path", "step_ms", "vs_bf16", "sync_vs_bf16", "tokens_per_s", "mfu", "memory_gib",
+                       "memory_vs_bf16", "quantize_share", "gemm_share", "attention_share", "rest_share", "compile_s"])
+    if skipped:
+        print("skipped (time budget):", ", ".join(skipped))
+    print("wrote", out)
+
+
+def summarize(rows: list, cfg: M.GPTConfig, batch: int) -> None:
+    """Each row's step time (median over its rounds), throughput, MFU and ratios to bf16 (median of the rounds'
+    ratios), from the rounds timed so far."""
     base = next((r for r in rows if r["recipe"] == "bf16"), None)
     for r in rows:
         r["step_ms"] = float(np.median(r["step_ms_rounds"]))
@@ -211,12 +233,6 @@ def main():
             r["sync_vs_bf16"] = r["step_sync_ms"] / base["step_sync_ms"]
             if r["memory_gib"] and base["memory_gib"]:
                 r["memory_vs_bf16"] = r["memory_gib"] / base["memory_gib"]
-    print_table(rows, ["recipe", "path", "step_ms", "vs_bf16", "sync_vs_bf16", "tokens_per_s", "mfu", "memory_gib",
-                       "memory_vs_bf16", "quantize_share", "gemm_share", "attention_share", "rest_share", "compile_s"])
-    if skipped:
-        print("skipped (time budget):", ", ".join(skipped))
-    out = write_json("train_step", rows, a.out, config=dict(cfg.__dict__), batch=batch, skipped=skipped)
-    print("wrote", out)
 
 
 if __name__ == "__main__":
