@@ -197,6 +197,7 @@ def main():
         print(f"    top ops: {r.get('top_ops')}", flush=True)
         print("    kernels by origin: " + ", ".join(f"{c}/{o} {n:g}" for c, o, n in r.get("kernels_by_origin", [])),
               flush=True)
+
     def save(final: bool) -> str:  # after the first pass and every round: a run cut short keeps what it timed
         summarize(rows, cfg, batch)
         return write_json("train_step", rows, a.out, config=dict(cfg.__dict__), batch=batch, skipped=skipped,
