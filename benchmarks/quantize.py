@@ -75,6 +75,7 @@ def main():
         ("nvfp4_rht_sr", NVFP4(rht=True, stochastic_rounding=True)),  # the nvfp4 recipe's gradients
         ("mxfp8_dec", MXFP8()),
         ("nvfp4_dec", NVFP4()),
+        ("nvfp4_rht_dec", NVFP4(rht=True)),  # the nvfp4 recipe's inputs as the step writes them
         ("nvfp4_rht_sr_dec", NVFP4(rht=True, stochastic_rounding=True)),  # the gradients as the step writes them
         ("fp8_block_1x128", Float8Block()),
         ("fp8_block_128x128", Float8Block((128, 128))),

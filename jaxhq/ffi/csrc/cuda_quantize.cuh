@@ -264,9 +264,12 @@ __device__ __forceinline__ void write_scale_inv(const Params& p, int64_t b, cons
 // once. F: the side's format when the caller fixes it at compile time (only that format's code is emitted), or
 // kAnyFormat to read it from the parameters; kMaySR: NVFP4 copies may round stochastically (nvfp4_elements).
 constexpr int kAnyFormat = -1;
+// NVFP4 only: v may hold the values times 1 / vscale (a power of 2: the Hadamard sums before their factor 1/4),
+// which joins the encode multiplier instead (the caller makes sure that vscale * v and vscale * enc are exact).
 template <int N, typename T, int F = kAnyFormat, bool kMaySR = false, bool kMayDecode = false>
 __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, int64_t gr, int64_t gc, float amax,
-                                             float tscale, const float (&v)[N], SrStream* srs = nullptr) {
+                                             float tscale, const float (&v)[N], SrStream* srs = nullptr,
+                                             float vscale = 1.0f) {
   const SideParams& sp = p.side[s];
   const int fmt = F == kAnyFormat ? sp.fmt : F;
   const int64_t C = sp.C;
@@ -279,16 +282,17 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
     const float enc = nvfp4_encode_mult(dec, tscale);
     // |v| <= amax, so amax * enc finite (not NaN) bounds every v * enc
     const bool sr = sp.opts & kStochastic, finite = amax * enc <= 3.4e38f;
+    const float mult = vscale * enc;  // (v * vscale) * enc, the same float: both products exact
     if (kMayDecode && (sp.opts & kDecoded)) {  // the values (times the block's scale) instead of the codes
       uint32_t pairs[N / 2];
-      nvfp4_elements<N, kMaySR, Values>(v, enc, sr, finite, srs, gr, gc, C, [&](int i, float a, float c) {
-        pairs[i] = bf16x2_bits(a * dec, c * dec);
+      nvfp4_elements<N, kMaySR, Values>(v, mult, sr, finite, srs, gr, gc, C, [&](int i, float a, float c) {
+        pairs[i] = bf16x2_e2m1_times(a, c, dec);
       });
       store_decoded<N>(sp, b, gr, gc, pairs);
       return;
     }
     uint32_t words[N / 8];  // element pair i is byte i: the low nibble the even element
-    nvfp4_elements<N, kMaySR, Codes>(v, enc, sr, finite, srs, gr, gc, C, [&](int i, uint32_t c0, uint32_t c1) {
+    nvfp4_elements<N, kMaySR, Codes>(v, mult, sr, finite, srs, gr, gc, C, [&](int i, uint32_t c0, uint32_t c1) {
       const uint32_t byte = (c0 | (c1 << 4)) << (8 * (i % 4));
       words[i / 4] = i % 4 == 0 ? byte : words[i / 4] | byte;
     });

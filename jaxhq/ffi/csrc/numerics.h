@@ -208,11 +208,18 @@ JHQ_HD uint8_t e2m1_code(float y) {
 // half of a's binade floor (0.5 below 1), so adding M = 2^(22 + max(e, 0)) (e: a's exponent) rounds a to the
 // grid in the float addition itself; the low bits of r = a + M count the steps k, and the code is
 // 2 max(e, 0) + k. `pow` = the bits of 2^max(e, 0) (the step is half of it).
+// a + p * s where p * s is exact (s a power of 2): the float of that addition, one FFMA on the GPU.
+JHQ_HD float add_exact_product(float a, float p, float s) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(p, s, a);
+#else
+  return a + p * s;
+#endif
+}
 JHQ_HD uint32_t e2m1_nearest(float a) {
   const uint32_t eb = f2u(a) & 0xFF800000u, pow = eb > 0x3F800000u ? eb : 0x3F800000u;
-  const uint32_t m = pow + (22u << 23);
-  const float r = a + u2f(m);
-  return f2u(r) - m + (pow >> 22) - 254u;
+  const float r = add_exact_product(a, u2f(pow), 0x1p22f);  // a + M
+  return f2u(r) - (pow + (22u << 23)) + (pow >> 22) - 254u;
 }
 // e2m1_code for a y that is not NaN, by e2m1_nearest. Equal to e2m1_code for every float but NaN (checked over all
 // of them: tests/test_cuda_emu.py).
@@ -247,8 +254,8 @@ JHQ_HD float e2m1_value(uint8_t c) {
 JHQ_HD float e2m1_round_finite(float y) {
   const float a = fminf(fabsf(y), 6.0f);
   const uint32_t eb = f2u(a) & 0xFF800000u, pow = eb > 0x3F800000u ? eb : 0x3F800000u;
-  const float m = u2f(pow + (22u << 23));
-  return u2f(f2u((a + m) - m) | (f2u(y) & 0x80000000u));
+  const float r = add_exact_product(a, u2f(pow), 0x1p22f);  // a + M, then r - M (exact)
+  return u2f(f2u(add_exact_product(r, u2f(pow), -0x1p22f)) | (f2u(y) & 0x80000000u));
 }
 JHQ_HD float e2m1_round(float y) {
   return is_nan(y) ? u2f(f2u(y) & 0x80000000u) : e2m1_round_finite(y);
@@ -274,6 +281,19 @@ JHQ_HD uint32_t bf16x2_bits(float a, float b) {
   return u;
 #else
   return uint32_t(f32_to_bf16_bits(a)) | (uint32_t(f32_to_bf16_bits(b)) << 16);
+#endif
+}
+// bf16x2_bits(a * d, c * d) for E2M1 values a, c and an E4M3 value d (or NaN): every such product is exact in
+// bfloat16 (at most 6 significant bits, inside its range), so on the GPU the pair is packed first (exact) and
+// multiplied by d in bfloat16, one instruction for both values.
+JHQ_HD uint32_t bf16x2_e2m1_times(float a, float c, float d) {
+#if defined(__CUDA_ARCH__)
+  const __nv_bfloat162 h = __hmul2(__floats2bfloat162_rn(a, c), __float2bfloat162_rn(d));
+  uint32_t u;
+  memcpy(&u, &h, 4);
+  return u;
+#else
+  return bf16x2_bits(a * d, c * d);
 #endif
 }
 // The values of two FP8 codes (low byte first): the hardware conversion on the GPU, fp8_decode elsewhere.
@@ -312,7 +332,19 @@ JHQ_HD float nvfp4_decode_value(float amax_b, float genc) { return e4m3_value(nv
 // nvfp4.global_encode's reciprocal, the factor the GEMMs apply per operand: 1 / nvfp4_global_encode(amax), of the
 // very global encode the quantize kernels used (1 for a zero amax; NaN for NaN, inf for inf).
 JHQ_HD float nvfp4_global_decode(float amax) { return 1.0f / nvfp4_global_encode(amax); }
-JHQ_HD float nvfp4_encode_mult(float dec, float genc) { return dec == 0.0f ? 0.0f : div_ref(genc, dec); }
+// genc / dec as div_ref computes it. On the GPU, div.full.f32 scales its operands only for a divisor outside
+// [2^-126, 2^126] and is otherwise a * rcp.approx(b); a nonzero E4M3 value lies in [2^-9, 448] (or is NaN), so
+// that is the whole division here: two instructions instead of the range checks (GPU tests: bit for bit).
+JHQ_HD float nvfp4_encode_mult(float dec, float genc) {
+  if (dec == 0.0f) return 0.0f;
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(dec));
+  return genc * r;
+#else
+  return div_ref(genc, dec);
+#endif
+}
 // MXFP8: q = amax / fmt_max, likewise computed as amax * (1 / fmt_max).
 JHQ_HD float mx_q(float amax, bool e5m2) { return amax * (e5m2 ? (1.0f / 57344.0f) : (1.0f / 448.0f)); }
 
