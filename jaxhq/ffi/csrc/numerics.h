@@ -203,11 +203,6 @@ JHQ_HD uint8_t e2m1_code(float y) {
                         (a > 5.0f));
   return mag | ((f2u(y) >> 31) ? 8 : 0);
 }
-// Round a = min(|y|, 6) (not NaN) to E2M1's grid, nearest even, in integer and add operations only (no
-// rounding or conversion instruction: those run at a quarter of the rate on the GPU). E2M1's grid step at a is
-// half of a's binade floor (0.5 below 1), so adding M = 2^(22 + max(e, 0)) (e: a's exponent) rounds a to the
-// grid in the float addition itself; the low bits of r = a + M count the steps k, and the code is
-// 2 max(e, 0) + k. `pow` = the bits of 2^max(e, 0) (the step is half of it).
 // a + p * s where p * s is exact (s a power of 2): the float of that addition, one FFMA on the GPU.
 JHQ_HD float add_exact_product(float a, float p, float s) {
 #if defined(__CUDA_ARCH__)
@@ -216,6 +211,12 @@ JHQ_HD float add_exact_product(float a, float p, float s) {
   return a + p * s;
 #endif
 }
+// Round a = min(|y|, 6) (not NaN) to E2M1's grid, nearest even, in integer and add operations only (no
+// rounding or conversion instruction: those run at a quarter of the rate on the GPU). E2M1's grid step at a is
+// half of a's binade floor (0.5 below 1), so adding M = 2^(22 + max(e, 0)) (e: a's exponent) rounds a to the
+// grid in the float addition itself; the low bits of r = a + M count the steps k, and the code is
+// 2 max(e, 0) + k. `pow` = the bits of 2^max(e, 0) (the step is half of it); M = 2^max(e, 0) * 2^22 is added as
+// an exact product (add_exact_product: one FFMA).
 JHQ_HD uint32_t e2m1_nearest(float a) {
   const uint32_t eb = f2u(a) & 0xFF800000u, pow = eb > 0x3F800000u ? eb : 0x3F800000u;
   const float r = add_exact_product(a, u2f(pow), 0x1p22f);  // a + M
