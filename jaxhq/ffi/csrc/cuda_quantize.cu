@@ -50,6 +50,12 @@ __device__ __forceinline__ void load8(const T* __restrict__ x, int64_t m, int64_
   }
 }
 
+// 16 loaded bytes of a 16-bit tile row as four 4-byte shared stores (rows start 4-byte aligned: an odd stride of
+// 65 words keeps the banks apart).
+__device__ __forceinline__ void put16(uint32_t* dst, const uint4& raw) {
+  dst[0] = raw.x, dst[1] = raw.y, dst[2] = raw.z, dst[3] = raw.w;
+}
+
 // The tile [r0, r0+128) x [c0, c0+128) of x into shared memory: each thread loads 16 bytes (32 for float) and
 // stores them before its next load. In: x's type in memory; T: the tile's (In, or bfloat16 from float: kF32AsBF16).
 // kFast: 16-bit tiles wholly inside x take a path without per-load index arithmetic (what pays is the arithmetic:
@@ -74,10 +80,7 @@ __device__ __forceinline__ void load_tile(const In* __restrict__ x, int64_t m, i
 #pragma unroll
         for (int j = 0; j < kGroup; ++j) raw[j] = __ldg(src + (j0 + j) * step);
 #pragma unroll
-        for (int j = 0; j < kGroup; ++j) {  // four 4-byte stores (the row stride is even)
-          uint32_t* d = dst + (j0 + j) * kRowsPerPass * kStride / 2;
-          d[0] = raw[j].x, d[1] = raw[j].y, d[2] = raw[j].z, d[3] = raw[j].w;
-        }
+        for (int j = 0; j < kGroup; ++j) put16(dst + (j0 + j) * kRowsPerPass * kStride / 2, raw[j]);
       }
       return;
     }
@@ -86,9 +89,8 @@ __device__ __forceinline__ void load_tile(const In* __restrict__ x, int64_t m, i
     const int r = idx / (kTile / 8), c = (idx % (kTile / 8)) * 8;
     uint4 raw[sizeof(In) / 2];
     load8<In>(x, m, k, r0 + r, c0 + c, vec_ok, raw);
-    if constexpr (std::is_same_v<In, T> && sizeof(T) == 2) {  // as four 4-byte stores (the row stride is even)
-      uint32_t* dst = reinterpret_cast<uint32_t*>(tile + r * kStride + c);
-      dst[0] = raw[0].x, dst[1] = raw[0].y, dst[2] = raw[0].z, dst[3] = raw[0].w;
+    if constexpr (std::is_same_v<In, T> && sizeof(T) == 2) {
+      put16(reinterpret_cast<uint32_t*>(tile + r * kStride + c), raw[0]);
     } else {
       In v[8];
       memcpy(v, raw, sizeof(v));
@@ -132,7 +134,9 @@ __device__ __forceinline__ void read_chunk(const T* tile, int s, int cr, int ch,
 // Whether a Hadamard-transformed NVFP4 side of a 16-bit tile leaves the transform's factor 1/4 to the encode
 // multiplier (encode_chunk's vscale): the sums of 16-bit values are multiples of their format's least subnormal
 // (2^-133 for bfloat16), so a quarter of every sum is exact in float32, subnormal or not; and with a global encode
-// genc >= 2^-115 every block's enc >= genc / 448 keeps enc / 4 normal, so v * (enc / 4) == (v / 4) * enc.
+// genc >= 2^-115 every block's enc >= genc / 448 keeps enc / 4 normal, so v * (enc / 4) == (v / 4) * enc. (A lower
+// genc means an amax above 1.1e38, more than a quarter of any finite float32 sum: only a scalar given from
+// elsewhere takes the other branch.)
 template <typename T>
 __device__ __forceinline__ bool rht_sums_only(const SideParams& sp, float genc) {
   return sizeof(T) == 2 && sp.fmt == kNvfp4 && (sp.opts & kRHT) && genc >= 0x1p-115f;
@@ -213,6 +217,7 @@ __device__ __forceinline__ void encode_tile_side(const Params& p, const Smem<T>&
   const int64_t cr0 = s == 0 ? r0 : c0, cc0 = s == 0 ? c0 : r0;  // this tile's origin in the copy
   SrStream srs(p.seed + kSeedWords * b, s);  // read only by the stochastic instantiation
   const bool sums = rht_sums_only<T>(sp, ts);
+  const float vscale = sums ? 0.25f : 1.0f;  // what the values read still lack
   for (int it = 0; it < kTile * kChunks / kThreads; ++it) {
     int cr, ch;
     chunk_of(it, cr, ch);
@@ -228,7 +233,7 @@ __device__ __forceinline__ void encode_tile_side(const Params& p, const Smem<T>&
     if (fmt == kNvfp4 && (sp.opts & kBlock2D)) {
       a = u2f(sm.bamax[s][(cr / 16) * kChunks + ch]);
     } else if (fmt == kNvfp4) {
-      if (!row_pairs) a = sums ? bits_amax(v) * 0.25f : bits_amax(v);
+      if (!row_pairs) a = bits_amax(v) * vscale;
     } else if (fmt == kMxfp8) {
       a = nmax(ca[cr * kChunks + (ch & ~1)], ca[cr * kChunks + (ch | 1)]);
     } else if (fmt == kFp8Block1) {
@@ -237,7 +242,7 @@ __device__ __forceinline__ void encode_tile_side(const Params& p, const Smem<T>&
     } else if (fmt == kFp8Block2) {
       a = sm.tamax[s];
     }
-    encode_chunk<16, T, kF, kSR, kDec>(p, s, b, gr, gc, a, ts, v, &srs, sums ? 0.25f : 1.0f);
+    encode_chunk<16, T, kF, kSR, kDec>(p, s, b, gr, gc, a, ts, v, &srs, vscale);
   }
 }
 

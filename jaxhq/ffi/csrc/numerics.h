@@ -215,10 +215,14 @@ JHQ_HD float add_exact_product(float a, float p, float s) {
 // rounding or conversion instruction: those run at a quarter of the rate on the GPU). E2M1's grid step at a is
 // half of a's binade floor (0.5 below 1), so adding M = 2^(22 + max(e, 0)) (e: a's exponent) rounds a to the
 // grid in the float addition itself; the low bits of r = a + M count the steps k, and the code is
-// 2 max(e, 0) + k. `pow` = the bits of 2^max(e, 0) (the step is half of it); M = 2^max(e, 0) * 2^22 is added as
-// an exact product (add_exact_product: one FFMA).
+// 2 max(e, 0) + k. `e2m1_pow(a)` = the bits of 2^max(e, 0) (the step is half of it); M = 2^max(e, 0) * 2^22 is
+// added as an exact product (add_exact_product: one FFMA).
+JHQ_HD uint32_t e2m1_pow(float a) {
+  const uint32_t eb = f2u(a) & 0xFF800000u;
+  return eb > 0x3F800000u ? eb : 0x3F800000u;
+}
 JHQ_HD uint32_t e2m1_nearest(float a) {
-  const uint32_t eb = f2u(a) & 0xFF800000u, pow = eb > 0x3F800000u ? eb : 0x3F800000u;
+  const uint32_t pow = e2m1_pow(a);
   const float r = add_exact_product(a, u2f(pow), 0x1p22f);  // a + M
   return f2u(r) - (pow + (22u << 23)) + (pow >> 22) - 254u;
 }
@@ -253,10 +257,9 @@ JHQ_HD float e2m1_value(uint8_t c) {
 // float addition of e2m1_nearest rounds a to the grid, so r - M is the value (both in M's binade: exact).
 // Stochastic: t's bits after the carry, cut below the kept mantissa bit, are the value (minus the 1 added below 1).
 JHQ_HD float e2m1_round_finite(float y) {
-  const float a = fminf(fabsf(y), 6.0f);
-  const uint32_t eb = f2u(a) & 0xFF800000u, pow = eb > 0x3F800000u ? eb : 0x3F800000u;
-  const float r = add_exact_product(a, u2f(pow), 0x1p22f);  // a + M, then r - M (exact)
-  return u2f(f2u(add_exact_product(r, u2f(pow), -0x1p22f)) | (f2u(y) & 0x80000000u));
+  const float a = fminf(fabsf(y), 6.0f), p = u2f(e2m1_pow(a));
+  const float r = add_exact_product(a, p, 0x1p22f);  // a + M, then r - M (exact)
+  return u2f(f2u(add_exact_product(r, p, -0x1p22f)) | (f2u(y) & 0x80000000u));
 }
 JHQ_HD float e2m1_round(float y) {
   return is_nan(y) ? u2f(f2u(y) & 0x80000000u) : e2m1_round_finite(y);
