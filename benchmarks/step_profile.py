@@ -4,7 +4,10 @@ Each instruction of the compiled HLO gets a category: quantize (the jaxhq quanti
 every op or fusion holding an op from jaxhq.formats.quantize's named scope, the XLA path's fused quantization
 included), gemm (dots, cuBLAS/cuBLASLt and jaxhq GEMM custom calls), attention (cuDNN fused attention, and ops
 traced inside an attention module), collective, or rest. The profiler's device events name their HLO op, so
-their durations add up per category; the step's wall time minus the device time is the idle gap.
+their durations add up per category. The idle gap (the step's wall time minus the time the device is busy) comes
+from a second profile, of the step as it is timed (inside XLA's CUDA graphs, where the kernels still show, without
+their HLO op): the categories' sum, from the step compiled without graphs, differs from the graphs' busy time by
+clock drift between the two runs (a few percent of the step), which is not idle time.
 """
 from __future__ import annotations
 
@@ -121,11 +124,11 @@ def categorize(hlo_text: str) -> dict:
     return out
 
 
-def _device_events(xspace_path: str):
+def _device_events(xspace: bytes):
     """(hlo op name, duration ns, is_kernel) of the device planes' op events (or kernel events when the
-    profile has no per-op line)."""
+    profile has no per-op line), from a serialized XSpace."""
     from jax.profiler import ProfileData
-    pd = ProfileData.from_file(xspace_path)
+    pd = ProfileData.from_serialized_xspace(xspace)
     ops, kernels, layout = [], [], []
     planes = [p for p in pd.planes if p.name.startswith("/device:")]
     planes = planes or [p for p in pd.planes if p.name == "/host:CPU"]  # the CPU backend's thunks
@@ -145,25 +148,63 @@ def _device_events(xspace_path: str):
 NO_GRAPHS = {"xla_gpu_enable_command_buffer": ""}  # compiler options: every op its own launch (see below)
 
 
-def profile_step(run_step, steps: int, hlo_text: str, step_s: float) -> dict:
+def _trace(run, steps: int) -> bytes:
+    """The serialized XSpace (xplane.pb) of a profile of `steps` calls of run(), or b"" when none was written."""
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        for _ in range(steps):
+            run()
+        jax.profiler.stop_trace()
+        files = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))
+        if not files:
+            return b""
+        with open(files[-1], "rb") as f:
+            data = f.read()
+    return data
+
+
+def busy_ms(run_step, steps: int) -> float | None:
+    """Device busy time per step (ms): the union of the intervals of every kernel, memset and copy on the device
+    streams over `steps` calls of run_step(), divided by `steps`; None where the profile has no device streams
+    (the CPU backend)."""
+    data = _trace(run_step, steps)
+    if not data:
+        return None
+    from jax.profiler import ProfileData
+    spans = [(e.start_ns, e.start_ns + e.duration_ns) for p in ProfileData.from_serialized_xspace(data).planes
+             if p.name.startswith("/device:") for line in p.lines if line.name.startswith("Stream")
+             for e in line.events]
+    return covered_ns(spans) / 1e6 / steps if spans else None
+
+
+def covered_ns(spans) -> int:
+    """The length of the union of [start, end) intervals: overlapping events (streams side by side) count once."""
+    total, end = 0, None
+    for a, b in sorted(spans):
+        if end is None or a > end:
+            total, end = total + (b - a), b
+        elif b > end:
+            total, end = total + (b - end), b
+    return total
+
+
+def profile_step(run_step, steps: int, hlo_text: str, step_s: float, busy: float | None = None) -> dict:
     """Profiles `steps` calls of run_step() (each synchronised) and splits the device time per category.
 
     On a GPU, compile the profiled step with NO_GRAPHS: inside a CUDA graph (XLA's command buffers) the
     profiler reports the graph as one op, which hides what it holds.
 
-    Returns {category}_ms per step, kernels per step (per category), device_ms and idle_ms (wall - device), the
+    busy: the device's busy time per step in the timed executable (busy_ms), for idle_ms; without it, idle_ms is
+    the wall time minus this profile's device time.
+
+    Returns {category}_ms per step, kernels per step (per category), device_ms and idle_ms (wall - busy), the
     slowest ops, the quantize and GEMM ops with their operand shapes, and every op (`all_ops`).
     """
     cats = categorize(hlo_text)
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        for _ in range(steps):
-            run_step()
-        jax.profiler.stop_trace()
-        files = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))
-        if not files:
-            return {"profile_error": "no xplane.pb written"}
-        ops, kernels, layout = _device_events(files[-1])
+    data = _trace(run_step, steps)
+    if not data:
+        return {"profile_error": "no xplane.pb written"}
+    ops, kernels, layout = _device_events(data)
     events = ops or kernels
     if not events:
         return {"profile_error": "no device events with an HLO op; lines: " + ", ".join(layout[:12])}
@@ -189,7 +230,8 @@ def profile_step(run_step, steps: int, hlo_text: str, step_s: float) -> dict:
     out["gemm_ops"] = [(h, desc.get(h, "?"), round(t, 4)) for h, t in per_op.most_common() if cats.get(h) == "gemm"]
     # every op of the step: (HLO name, category, what it is with its operands' shapes, ms per step), slowest first
     out["all_ops"] = [(h, cats.get(h, "?"), desc.get(h, "?"), round(t, 4)) for h, t in per_op.most_common()]
-    out.update(device_ms=device_ms, idle_ms=max(1e3 * step_s - device_ms, 0.0),
+    idle = 1e3 * step_s - (device_ms if busy is None else busy)
+    out.update(device_ms=device_ms, busy_ms=busy, idle_ms=max(idle, 0.0),
                kernels_per_step={c: v / steps for c, v in n_kernels.items()},
                unmatched_ops=len({h for h, _ in events if h not in cats}))
     return out
