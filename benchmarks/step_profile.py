@@ -4,10 +4,10 @@ Each instruction of the compiled HLO gets a category: quantize (the jaxhq quanti
 every op or fusion holding an op from jaxhq.formats.quantize's named scope, the XLA path's fused quantization
 included), gemm (dots, cuBLAS/cuBLASLt and jaxhq GEMM custom calls), attention (cuDNN fused attention, and ops
 traced inside an attention module), collective, or rest. The profiler's device events name their HLO op, so
-their durations add up per category. The idle gap (the step's wall time minus the time the device is busy) comes
-from a second profile, of the step as it is timed (inside XLA's CUDA graphs, where the kernels still show, without
-their HLO op): the categories' sum, from the step compiled without graphs, differs from the graphs' busy time by
-clock drift between the two runs (a few percent of the step), which is not idle time.
+their durations add up per category. The idle gap comes from a second profile, of steps run back to back as they
+are timed (inside XLA's CUDA graphs, where the kernels still show, without their HLO op): the time between the
+first kernel's start and the last one's end in which no kernel, memset or copy runs, per step. Neither the
+categories' sum nor that profile's span equals the timed step exactly: the runs differ in clocks by a few percent.
 """
 from __future__ import annotations
 
@@ -163,18 +163,21 @@ def _trace(run, steps: int) -> bytes:
     return data
 
 
-def busy_ms(run_step, steps: int) -> float | None:
-    """Device busy time per step (ms): the union of the intervals of every kernel, memset and copy on the device
-    streams over `steps` calls of run_step(), divided by `steps`; None where the profile has no device streams
-    (the CPU backend)."""
-    data = _trace(run_step, steps)
+def device_busy(run_steps, steps: int) -> tuple | None:
+    """(busy, span) in ms per step from a profile of run_steps(), which runs `steps` steps back to back: busy is the
+    union of the intervals of every kernel, memset and copy on the device streams, span the time from the first
+    one's start to the last one's end; None where the profile has no device streams (the CPU backend)."""
+    data = _trace(run_steps, 1)
     if not data:
         return None
     from jax.profiler import ProfileData
     spans = [(e.start_ns, e.start_ns + e.duration_ns) for p in ProfileData.from_serialized_xspace(data).planes
              if p.name.startswith("/device:") for line in p.lines if line.name.startswith("Stream")
              for e in line.events]
-    return covered_ns(spans) / 1e6 / steps if spans else None
+    if not spans:
+        return None
+    span = max(b for _, b in spans) - min(a for a, _ in spans)
+    return covered_ns(spans) / 1e6 / steps, span / 1e6 / steps
 
 
 def covered_ns(spans) -> int:
@@ -188,16 +191,16 @@ def covered_ns(spans) -> int:
     return total
 
 
-def profile_step(run_step, steps: int, hlo_text: str, step_s: float, busy: float | None = None) -> dict:
+def profile_step(run_step, steps: int, hlo_text: str, step_s: float, busy: tuple | None = None) -> dict:
     """Profiles `steps` calls of run_step() (each synchronised) and splits the device time per category.
 
     On a GPU, compile the profiled step with NO_GRAPHS: inside a CUDA graph (XLA's command buffers) the
     profiler reports the graph as one op, which hides what it holds.
 
-    busy: the device's busy time per step in the timed executable (busy_ms), for idle_ms; without it, idle_ms is
-    the wall time minus this profile's device time.
+    busy: (busy, span) per step of the timed executable (device_busy): idle_ms is span - busy; without it, the wall
+    time minus this profile's device time.
 
-    Returns {category}_ms per step, kernels per step (per category), device_ms and idle_ms (wall - busy), the
+    Returns {category}_ms per step, kernels per step (per category), device_ms, idle_ms, the
     slowest ops, the quantize and GEMM ops with their operand shapes, and every op (`all_ops`).
     """
     cats = categorize(hlo_text)
@@ -230,8 +233,9 @@ def profile_step(run_step, steps: int, hlo_text: str, step_s: float, busy: float
     out["gemm_ops"] = [(h, desc.get(h, "?"), round(t, 4)) for h, t in per_op.most_common() if cats.get(h) == "gemm"]
     # every op of the step: (HLO name, category, what it is with its operands' shapes, ms per step), slowest first
     out["all_ops"] = [(h, cats.get(h, "?"), desc.get(h, "?"), round(t, 4)) for h, t in per_op.most_common()]
-    idle = 1e3 * step_s - (device_ms if busy is None else busy)
-    out.update(device_ms=device_ms, busy_ms=busy, idle_ms=max(idle, 0.0),
+    idle = 1e3 * step_s - device_ms if busy is None else busy[1] - busy[0]
+    out.update(device_ms=device_ms, idle_ms=max(idle, 0.0), **({} if busy is None else dict(busy_ms=busy[0],
+                                                                                          span_ms=busy[1])),
                kernels_per_step={c: v / steps for c, v in n_kernels.items()},
                unmatched_ops=len({h for h, _ in events if h not in cats}))
     return out

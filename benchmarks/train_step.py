@@ -6,8 +6,8 @@ median with a device sync after every step, adds the host's dispatch time to eac
 6 L B S^2 d for causal attention, over the GPU's dense bf16 peak); the compiled program's memory (arguments +
 temporaries + outputs - donated aliases); and where the time goes, from a profile of the compiled step
 itself (step_profile.py): quantization (with any producer XLA fused into it), GEMMs, attention, the rest, the
-idle gap (the step time minus the device's busy time in a profile of the timed, CUDA-graph executable), and
-kernels per step. --paths runs each quantized recipe with the quantization made by the FFI
+idle gap (the time between a step's kernels in a profile of the timed CUDA-graph executable run back to back),
+and kernels per step. --paths runs each quantized recipe with the quantization made by the FFI
 kernels or by XLA's fusion of the reference (JAXHQ_QUANTIZE_PATH), to choose the default per format.
 --rounds R > 1 times every recipe R - 1 times more after all have run, in turn (a fresh state each time), so
 clock and power drift during the run hits all recipes alike: step_ms is then the median over the rounds and
@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environ, parser, print_table, write_json  # noqa: E402
-from step_profile import CATEGORIES, NO_GRAPHS, busy_ms, profile_step  # noqa: E402
+from step_profile import CATEGORIES, NO_GRAPHS, device_busy, profile_step  # noqa: E402
 
 from jaxhq.train import model as M, state as S  # noqa: E402
 
@@ -107,12 +107,17 @@ def _run(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split
         jax.block_until_ready(m)
     timed = compiled  # (`compiled` becomes the profiled build below)
 
+    def back_to_back_n(st, n):
+        """`n` steps dispatched back to back from st, waited for: the state after them."""
+        for _ in range(n):
+            st, out = timed(st, batch_d)
+        jax.block_until_ready(out)
+        return st
+
     def back_to_back(st):
         """`steps` steps dispatched back to back from st: (the state after them, seconds per step)."""
         t = time.perf_counter()
-        for _ in range(steps):
-            st, out = timed(st, batch_d)
-        jax.block_until_ready(out)
+        st = back_to_back_n(st, steps)
         return st, (time.perf_counter() - t) / steps
 
     def window() -> float:  # a later round: a fresh state, warmed up
@@ -142,13 +147,12 @@ def _run(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split
     peak = peak_flops()
     row["mfu"] = None if peak is None else step_flops(cfg, batch) / step_s / peak
     if split:  # profiled on a compile without CUDA graphs, so each op shows (step_profile.NO_GRAPHS)
-        busy_holder = [state]
+        n_busy, busy_holder = min(steps, 5), [state]
 
-        def timed_step():
-            busy_holder[0], out = timed(busy_holder[0], batch_d)
-            jax.block_until_ready(out)
+        def timed_steps():  # back to back, as timed: the device's idle time between the step's kernels
+            busy_holder[0] = back_to_back_n(busy_holder[0], n_busy)
 
-        busy = busy_ms(timed_step, min(steps, 5))  # the timed executable's busy device time: the idle gap's measure
+        busy = device_busy(timed_steps, n_busy)
         state = busy_holder[0]
         opts = NO_GRAPHS if jax.default_backend() == "gpu" else {}
         try:
