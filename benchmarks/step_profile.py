@@ -234,8 +234,9 @@ def profile_step(run_step, steps: int, hlo_text: str, step_s: float, busy: tuple
     # every op of the step: (HLO name, category, what it is with its operands' shapes, ms per step), slowest first
     out["all_ops"] = [(h, cats.get(h, "?"), desc.get(h, "?"), round(t, 4)) for h, t in per_op.most_common()]
     idle = 1e3 * step_s - device_ms if busy is None else busy[1] - busy[0]
-    out.update(device_ms=device_ms, idle_ms=max(idle, 0.0), **({} if busy is None else dict(busy_ms=busy[0],
-                                                                                          span_ms=busy[1])),
+    out.update(device_ms=device_ms, idle_ms=max(idle, 0.0),
                kernels_per_step={c: v / steps for c, v in n_kernels.items()},
                unmatched_ops=len({h for h, _ in events if h not in cats}))
+    if busy is not None:
+        out.update(busy_ms=busy[0], span_ms=busy[1])
     return out
