@@ -147,25 +147,23 @@ def _run(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split
     peak = peak_flops()
     row["mfu"] = None if peak is None else step_flops(cfg, batch) / step_s / peak
     if split:  # profiled on a compile without CUDA graphs, so each op shows (step_profile.NO_GRAPHS)
-        n_busy, busy_holder = min(steps, 5), [state]
+        n_prof, holder = min(steps, 5), [state]  # the state the profiled steps carry on
 
         def timed_steps():  # back to back, as timed: the device's idle time between the step's kernels
-            busy_holder[0] = back_to_back_n(busy_holder[0], n_busy)
+            holder[0] = back_to_back_n(holder[0], n_prof)
 
-        busy = device_busy(timed_steps, n_busy)
-        state = busy_holder[0]
+        busy = device_busy(timed_steps, n_prof)
         opts = NO_GRAPHS if jax.default_backend() == "gpu" else {}
         try:
-            compiled = step.lower(state, batch_d).compile(compiler_options=opts)
+            compiled = step.lower(holder[0], batch_d).compile(compiler_options=opts)
         except Exception as e:  # noqa: BLE001 - an XLA without the option: profile the graphs as they are
             row["profile_note"] = f"graphs kept: {type(e).__name__}"
-        holder = [state]
 
         def one_step():
             holder[0], out = compiled(holder[0], batch_d)
             jax.block_until_ready(out)
 
-        prof = profile_step(one_step, min(steps, 5), compiled.as_text(), step_s, busy)
+        prof = profile_step(one_step, n_prof, compiled.as_text(), step_s, busy)
         row.update(prof)
         for c in CATEGORIES:
             if f"{c}_ms" in prof:
