@@ -165,8 +165,11 @@ def _trace(run, steps: int) -> bytes:
 
 def device_busy(run_steps, steps: int) -> tuple | None:
     """(busy, span) in ms per step from a profile of run_steps(), which runs `steps` steps back to back: busy is the
-    union of the intervals of every kernel, memset and copy on the device streams, span the time from the first
-    one's start to the last one's end; None where the profile has no device streams (the CPU backend)."""
+    union of the intervals of every kernel, memset and copy on the device streams, span the time from the step's
+    first one's start to its last one's end (the medians over the steps); None where the profile has no device
+    streams (the CPU backend). Steps run one after another, so with the same number of events each, the events in
+    start order fall into `steps` runs of that many; the host's gaps between steps (which the profiler lengthens at
+    small step times) are then not counted. With an uneven count, the whole profile over `steps`."""
     data = _trace(run_steps, 1)
     if not data:
         return None
@@ -176,8 +179,18 @@ def device_busy(run_steps, steps: int) -> tuple | None:
              for e in line.events]
     if not spans:
         return None
-    span = max(b for _, b in spans) - min(a for a, _ in spans)
-    return covered_ns(spans) / 1e6 / steps, span / 1e6 / steps
+    return per_step(spans, steps)
+
+
+def per_step(spans, steps: int) -> tuple:
+    """(busy, span) in ms per step of `steps` steps' device intervals [start, end) ns (see device_busy)."""
+    spans = sorted(spans)
+    per = len(spans) // steps if len(spans) % steps == 0 else 0
+    runs = [spans[i * per:(i + 1) * per] for i in range(steps)] if per else [spans]
+    n = 1 if per else steps
+    busy = sorted(covered_ns(r) / n for r in runs)
+    span = sorted((max(b for _, b in r) - r[0][0]) / n for r in runs)
+    return busy[len(busy) // 2] / 1e6, span[len(span) // 2] / 1e6
 
 
 def covered_ns(spans) -> int:
