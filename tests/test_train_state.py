@@ -84,6 +84,20 @@ def test_train_step_applies_optax_to_the_gradient(ds):
     assert float(S.eval_step(st, batch)["loss"]) == pytest.approx(float(loss), rel=1e-6)
 
 
+@pytest.mark.parametrize("recipe", ["fp8_delayed", "nvfp4"])
+def test_donated_step_matches_and_consumes_its_argument(ds, recipe):
+    """The run loop's step (state donated) makes the same next state as train_step and frees the one it got
+    (fp8_delayed: the amax histories are written over their own buffers; nvfp4: the stochastic-rounding key)."""
+    batch = ds.train_batch(0)
+    want, wm = S.train_step(make(recipe), batch)
+    given = make(recipe)
+    got, gm = S.donated_train_step(given, batch)
+    assert float(gm["loss"]) == pytest.approx(float(wm["loss"]), rel=1e-6)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-7)
+    assert all(x.is_deleted() for x in jax.tree.leaves(given.params))
+
+
 @pytest.mark.parametrize("recipe", NAMED)
 def test_every_recipe_learns(ds, recipe):
     st = make(recipe)

@@ -142,7 +142,7 @@ def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir, signals=()):
     bar = _progress(cfg.steps, start, rec.name, cfg.progress)
     pending, t_first, n_timed, t0 = [], None, 0, time.perf_counter()
     for step in range(start, cfg.steps):
-        st, metrics = _state.train_step(st, batch(dataset.train_batch(step)))
+        st, metrics = _state.donated_train_step(st, batch(dataset.train_batch(step)))
         pending.append((step, metrics["loss"]))
         stop = bool(signals)
         last = step == cfg.steps - 1

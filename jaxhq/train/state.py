@@ -147,6 +147,9 @@ def _eval_step(state: TrainState, batch: dict):
 
 train_step: Callable = jax.jit(_train_step)
 train_step.__doc__ = "One optimizer step on a batch {inputs, targets}: (state, batch) -> (state, {loss, grad_norm})."
+donated_train_step: Callable = jax.jit(_train_step, donate_argnums=0)
+donated_train_step.__doc__ = ("train_step writing the new state into the buffers of the state it is given, which is "
+                              "consumed (use the one returned): the state is held once, not twice. The run loop's step.")
 eval_step: Callable = jax.jit(_eval_step)
 eval_step.__doc__ = "Validation loss of a batch; reads the state and leaves it unchanged: (state, batch) -> {loss}."
 
