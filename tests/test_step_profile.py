@@ -4,6 +4,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
+import pytest  # noqa: E402
 from step_profile import covered_ns, per_step  # noqa: E402
 
 
@@ -16,9 +17,9 @@ def test_per_step_leaves_out_the_gaps_between_steps():
     # three steps of two kernels each (2 ns idle inside a step), 1000 ns of host gap before the third step
     steps = [(0, 4), (6, 10), (10, 14), (16, 20), (1020, 1024), (1026, 1030)]
     busy, span = per_step(steps[::-1], 3)  # any order
-    assert (busy, span) == (8e-6, 10e-6)
+    assert (busy, span) == (pytest.approx(8e-6), pytest.approx(10e-6))
 
 
 def test_per_step_with_an_uneven_count_takes_the_whole_profile():
     busy, span = per_step([(0, 4), (6, 10), (10, 14), (16, 20), (30, 31)], 2)
-    assert (busy, span) == (17 / 2 * 1e-6, 31 / 2 * 1e-6)
+    assert (busy, span) == (pytest.approx(8.5e-6), pytest.approx(15.5e-6))
