@@ -40,3 +40,20 @@ def test_resume_continues_the_curve(tmp_path):
     assert resumed["start_step"] == 3
     assert resumed["train_curve"] == full["train_curve"]  # bit-identical losses after the resume
     assert resumed["final_val_loss"] == full["final_val_loss"]
+
+
+def test_throughput_leaves_out_compilation_evaluation_and_saving():
+    """tokens/s on a made-up clock: the first logged block (compilation) is not timed, pauses are left out."""
+    now = [0.0]
+    t = R._Throughput(100, clock=lambda: now[0])
+    with t.pause(None):  # before the first block: nothing is timed yet
+        now[0] = 4.0
+    now[0] = 5.0
+    assert np.isnan(t.logged(10))  # steps 0-9, with compilation
+    now[0] = 6.0
+    assert t.logged(20) == 10 * 100 / 1.0
+    with t.pause(None):  # 3 s evaluating
+        now[0] = 9.0
+    now[0] = 10.0
+    assert t.logged(30) == 20 * 100 / (5.0 - 3.0)
+    assert np.isnan(R._Throughput(100, clock=lambda: 1.0).logged(5))

@@ -62,7 +62,7 @@ class RunResult:
     val_curve: list = dataclasses.field(default_factory=list)  # [step, loss]
     final_train_loss: float = math.nan
     final_val_loss: float = math.nan
-    tokens_per_s: float = math.nan
+    tokens_per_s: float = math.nan  # training alone: compilation, evaluation and checkpoints left out
     seconds: float = 0.0
     start_step: int = 0
 
@@ -130,6 +130,38 @@ def train_recipe(recipe, cfg: RunConfig, dataset: _data.Dataset, model_config: _
     return res
 
 
+class _Throughput:
+    """Training tokens/s: timed from the end of the first logged block (which holds compilation) to the end of the
+    latest one, less the time the loop spent evaluating or saving in between. A pause first waits for the steps
+    already queued on the device, so their time counts as training."""
+
+    def __init__(self, tokens_per_step: int, clock=time.perf_counter):
+        self.tokens, self.clock = tokens_per_step, clock
+        self.t0, self.first, self.paused = None, 0, 0.0
+
+    def logged(self, steps_done: int) -> float:
+        """After a block's losses were read: tokens/s so far (nan until a block after the first)."""
+        now = self.clock()
+        if self.t0 is None:
+            self.t0, self.first = now, steps_done
+            return math.nan
+        n = steps_done - self.first
+        return n * self.tokens / (now - self.t0 - self.paused) if n else math.nan
+
+    @contextlib.contextmanager
+    def pause(self, state):
+        """Leave what runs inside out of the timing (after the first logged block; before it, nothing is timed)."""
+        if self.t0 is None:
+            yield
+            return
+        jax.block_until_ready(state)
+        t = self.clock()
+        try:
+            yield
+        finally:
+            self.paused += self.clock() - t
+
+
 def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir, signals=()):
     from . import checkpoint as _ckpt
     from .sharded import shard_batch
@@ -138,9 +170,9 @@ def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir, signals=()):
         return b if mesh is None else shard_batch(b, mesh)
 
     val = [batch(b) for b in dataset.val_batches(cfg.eval_batches)]
-    tokens = dataset.tokens_per_batch
+    throughput = _Throughput(dataset.tokens_per_batch)
     bar = _progress(cfg.steps, start, rec.name, cfg.progress)
-    pending, t_first, n_timed, t0 = [], None, 0, time.perf_counter()
+    pending, t0 = [], time.perf_counter()
     for step in range(start, cfg.steps):
         st, metrics = _state.donated_train_step(st, batch(dataset.train_batch(step)))
         pending.append((step, metrics["loss"]))
@@ -152,22 +184,20 @@ def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir, signals=()):
             losses = jax.device_get([l for _, l in pending])
             res.train_curve += [[s, float(l)] for (s, _), l in zip(pending, losses)]
             pending = []
-            now = time.perf_counter()
-            if t_first is None:
-                t_first, n_first = now, step + 1  # the first block includes compilation: not timed
-            else:
-                n_timed = step + 1 - n_first
-            if n_timed:
-                res.tokens_per_s = n_timed * tokens / (now - t_first)
+            rate = throughput.logged(step + 1)
+            if math.isfinite(rate):
+                res.tokens_per_s = rate
             bar.set_postfix_str(f"loss {res.train_curve[-1][1]:.4f}, "
-                                f"{res.tokens_per_s if n_timed else 0:,.0f} tok/s", refresh=False)
+                                f"{rate if math.isfinite(rate) else 0:,.0f} tok/s", refresh=False)
             if not math.isfinite(res.train_curve[-1][1]):
                 bar.close()
                 raise FloatingPointError(f"recipe {rec.name}: loss is {res.train_curve[-1][1]} at step {step}")
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last):
-            res.val_curve.append([step + 1, _state.evaluate(st, val)])
+            with throughput.pause(st):
+                res.val_curve.append([step + 1, _state.evaluate(st, val)])
         if save:
-            _ckpt.save(ckdir, st, extra={"train_curve": res.train_curve, "val_curve": res.val_curve})
+            with throughput.pause(st):
+                _ckpt.save(ckdir, st, extra={"train_curve": res.train_curve, "val_curve": res.val_curve})
         bar.update(1)
         if stop and not last:
             bar.close()
