@@ -124,14 +124,19 @@ def categorize(hlo_text: str) -> dict:
     return out
 
 
+def _device_planes(xspace: bytes) -> list:
+    """The device planes of a serialized XSpace (none on the CPU backend)."""
+    from jax.profiler import ProfileData
+    return [p for p in ProfileData.from_serialized_xspace(xspace).planes if p.name.startswith("/device:")]
+
+
 def _device_events(xspace: bytes):
     """(hlo op name, duration ns, is_kernel) of the device planes' op events (or kernel events when the
     profile has no per-op line), from a serialized XSpace."""
     from jax.profiler import ProfileData
-    pd = ProfileData.from_serialized_xspace(xspace)
     ops, kernels, layout = [], [], []
-    planes = [p for p in pd.planes if p.name.startswith("/device:")]
-    planes = planes or [p for p in pd.planes if p.name == "/host:CPU"]  # the CPU backend's thunks
+    planes = _device_planes(xspace) or [p for p in ProfileData.from_serialized_xspace(xspace).planes
+                                        if p.name == "/host:CPU"]  # the CPU backend's thunks
     for plane in planes:
         for line in plane.lines:
             layout.append(f"{plane.name}/{line.name}")
@@ -173,10 +178,8 @@ def device_busy(run_steps, steps: int) -> tuple | None:
     data = _trace(run_steps, 1)
     if not data:
         return None
-    from jax.profiler import ProfileData
-    spans = [(e.start_ns, e.start_ns + e.duration_ns) for p in ProfileData.from_serialized_xspace(data).planes
-             if p.name.startswith("/device:") for line in p.lines if line.name.startswith("Stream")
-             for e in line.events]
+    spans = [(e.start_ns, e.start_ns + e.duration_ns) for p in _device_planes(data) for line in p.lines
+             if line.name.startswith("Stream") for e in line.events]
     if not spans:
         return None
     return per_step(spans, steps)
