@@ -16,6 +16,7 @@ a run cut short keeps what it timed (`meta.rounds_done`, `meta.final`); --budget
 
     python benchmarks/train_step.py                    # on a GPU, the H100 preset: d 4096, FFN 14336 gated, 32 heads, seq 4096
     python benchmarks/train_step.py --preset quick     # a smaller stack for a quick look
+    python benchmarks/train_step.py --preset small     # the main job's small model (d 512, 6 layers)
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ RECIPES = ["bf16", "fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", 
 PRESETS = {  # config, batch size
     "h100": (M.GPTConfig(num_layers=2, d_model=4096, num_heads=32, d_ff=14336, seq_len=4096, dtype="bfloat16"), 2),
     "quick": (M.GPTConfig(num_layers=2, d_model=1024, num_heads=8, d_ff=3584, seq_len=1024, dtype="bfloat16"), 4),
+    "small": (M.preset("small"), 16),  # the main job's `jaxhq train --model small` (its default batch)
     "cpu": (M.GPTConfig(num_layers=1, d_model=128, num_heads=4, d_ff=256, seq_len=64, dtype="float32"), 2),
 }
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "B200": 2250e12}  # dense bf16 FLOP/s of the SXM parts

@@ -57,3 +57,27 @@ def test_throughput_leaves_out_compilation_evaluation_and_saving():
     now[0] = 10.0
     assert t.logged(30) == 20 * 100 / (5.0 - 3.0)
     assert np.isnan(R._Throughput(100, clock=lambda: 1.0).logged(5))
+
+
+def test_loop_reads_each_block_of_losses_one_block_late(tmp_path, monkeypatch):
+    """The loop reads a block of 10 losses only after the next block is dispatched (so the device queue never runs
+    empty at a read), and every queued step before an evaluation, a checkpoint or the end; the curve is complete."""
+    dispatched, reads = [0], []
+    step_fn, get = R._state.donated_train_step, R.jax.device_get
+
+    def counting_step(st, b):
+        dispatched[0] += 1
+        return step_fn(st, b)
+
+    def spy_get(x):
+        if isinstance(x, list):  # the loop's reads of its losses
+            reads.append((dispatched[0], len(x)))
+        return get(x)
+
+    monkeypatch.setattr(R._state, "donated_train_step", counting_step)
+    monkeypatch.setattr(R.jax, "device_get", spy_get)
+    rep = R.run(cfg(tmp_path, recipe="bf16", compare=(), steps=45, eval_every=25), echo=lambda *_: None)
+    # steps 0-9 read once 10-19 are queued; the evaluations after steps 25 and 45 drain the queue (at 35 the only
+    # queued block, 25-34, is the newest one: it waits)
+    assert reads == [(20, 10), (25, 15), (45, 20)]
+    assert [s for s, _ in rep["runs"]["bf16"]["train_curve"]] == list(range(45))

@@ -172,7 +172,21 @@ def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir, signals=()):
     val = [batch(b) for b in dataset.val_batches(cfg.eval_batches)]
     throughput = _Throughput(dataset.tokens_per_batch)
     bar = _progress(cfg.steps, start, rec.name, cfg.progress)
-    pending, t0 = [], time.perf_counter()
+    pending, queued, t0 = [], [], time.perf_counter()
+
+    def read(blocks):  # the losses of these blocks of steps, from the device
+        done = [p for blk in blocks for p in blk]
+        losses = jax.device_get([l for _, l in done])
+        res.train_curve += [[s, float(l)] for (s, _), l in zip(done, losses)]
+        rate = throughput.logged(done[-1][0] + 1)
+        if math.isfinite(rate):
+            res.tokens_per_s = rate
+        bar.set_postfix_str(f"loss {res.train_curve[-1][1]:.4f}, "
+                            f"{rate if math.isfinite(rate) else 0:,.0f} tok/s", refresh=False)
+        if not math.isfinite(res.train_curve[-1][1]):
+            bar.close()
+            raise FloatingPointError(f"recipe {rec.name}: loss is {res.train_curve[-1][1]} at step {done[-1][0]}")
+
     for step in range(start, cfg.steps):
         st, metrics = _state.donated_train_step(st, batch(dataset.train_batch(step)))
         pending.append((step, metrics["loss"]))
@@ -180,19 +194,18 @@ def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir, signals=()):
         last = step == cfg.steps - 1
         save = ckdir is not None and (last or stop or
                                       (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0))
-        if len(pending) >= 10 or last or save or stop:
-            losses = jax.device_get([l for _, l in pending])
-            res.train_curve += [[s, float(l)] for (s, _), l in zip(pending, losses)]
+        evaluate = cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last)
+        drain = last or save or stop or evaluate  # the state is read next: every queued step is waited for
+        if len(pending) >= 10 or drain:
+            queued.append(pending)
             pending = []
-            rate = throughput.logged(step + 1)
-            if math.isfinite(rate):
-                res.tokens_per_s = rate
-            bar.set_postfix_str(f"loss {res.train_curve[-1][1]:.4f}, "
-                                f"{rate if math.isfinite(rate) else 0:,.0f} tok/s", refresh=False)
-            if not math.isfinite(res.train_curve[-1][1]):
-                bar.close()
-                raise FloatingPointError(f"recipe {rec.name}: loss is {res.train_curve[-1][1]} at step {step}")
-        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last):
+            # Reading the newest block's losses would wait for the device to finish every step queued so far,
+            # and each block would then start on an empty device queue: read the blocks before it instead.
+            ready = queued if drain else queued[:-1]
+            if ready:
+                read(ready)
+                queued = [] if drain else queued[-1:]
+        if evaluate:
             with throughput.pause(st):
                 res.val_curve.append([step + 1, _state.evaluate(st, val)])
         if save:
