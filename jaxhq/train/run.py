@@ -194,8 +194,8 @@ def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir, signals=()):
         last = step == cfg.steps - 1
         save = ckdir is not None and (last or stop or
                                       (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0))
-        evaluate = cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last)
-        drain = last or save or stop or evaluate  # the state is read next: every queued step is waited for
+        eval_now = cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last)
+        drain = last or save or stop or eval_now  # the state is read next: every queued step is waited for
         if len(pending) >= 10 or drain:
             queued.append(pending)
             pending = []
@@ -205,7 +205,7 @@ def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir, signals=()):
             if ready:
                 read(ready)
                 queued = [] if drain else queued[-1:]
-        if evaluate:
+        if eval_now:
             with throughput.pause(st):
                 res.val_curve.append([step + 1, _state.evaluate(st, val)])
         if save:
