@@ -2,7 +2,9 @@
 import json
 import os
 
+import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxhq.train import run as R
 
@@ -81,3 +83,19 @@ def test_loop_reads_each_block_of_losses_one_block_late(tmp_path, monkeypatch):
     # queued block, 25-34, is the newest one: it waits)
     assert reads == [(20, 10), (25, 15), (45, 20)]
     assert [s for s, _ in rep["runs"]["bf16"]["train_curve"]] == list(range(45))
+
+
+def test_loop_stops_on_a_nan_loss_within_two_blocks(tmp_path, monkeypatch):
+    """A NaN loss from step 12 on: the loop raises once it reads that block, one block late (at the 30th dispatch)."""
+    dispatched = [0]
+    step_fn = R._state.donated_train_step
+
+    def nan_from_12(st, b):
+        dispatched[0] += 1
+        st, m = step_fn(st, b)
+        return st, {**m, "loss": jnp.where(dispatched[0] > 12, jnp.nan, m["loss"])}
+
+    monkeypatch.setattr(R._state, "donated_train_step", nan_from_12)
+    with pytest.raises(FloatingPointError, match="recipe bf16: loss is nan at step 19"):
+        R.run(cfg(tmp_path, recipe="bf16", compare=(), steps=60, eval_every=0), echo=lambda *_: None)
+    assert dispatched[0] == 30
