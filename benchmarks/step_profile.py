@@ -124,19 +124,19 @@ def categorize(hlo_text: str) -> dict:
     return out
 
 
-def _device_planes(xspace: bytes) -> list:
-    """The device planes of a serialized XSpace (none on the CPU backend)."""
+def _planes(xspace: bytes) -> tuple:
+    """(device planes, host CPU planes) of a serialized XSpace, parsed once (no device planes on the CPU backend)."""
     from jax.profiler import ProfileData
-    return [p for p in ProfileData.from_serialized_xspace(xspace).planes if p.name.startswith("/device:")]
+    planes = list(ProfileData.from_serialized_xspace(xspace).planes)  # an iterator: read it once
+    return [p for p in planes if p.name.startswith("/device:")], [p for p in planes if p.name == "/host:CPU"]
 
 
 def _device_events(xspace: bytes):
     """(hlo op name, duration ns, is_kernel) of the device planes' op events (or kernel events when the
     profile has no per-op line), from a serialized XSpace."""
-    from jax.profiler import ProfileData
     ops, kernels, layout = [], [], []
-    planes = _device_planes(xspace) or [p for p in ProfileData.from_serialized_xspace(xspace).planes
-                                        if p.name == "/host:CPU"]  # the CPU backend's thunks
+    device, host = _planes(xspace)
+    planes = device or host  # the CPU backend's thunks
     for plane in planes:
         for line in plane.lines:
             layout.append(f"{plane.name}/{line.name}")
@@ -178,7 +178,7 @@ def device_busy(run_steps, steps: int) -> tuple | None:
     data = _trace(run_steps, 1)
     if not data:
         return None
-    spans = [(e.start_ns, e.start_ns + e.duration_ns) for p in _device_planes(data) for line in p.lines
+    spans = [(e.start_ns, e.start_ns + e.duration_ns) for p in _planes(data)[0] for line in p.lines
              if line.name.startswith("Stream") for e in line.events]
     if not spans:
         return None

@@ -23,3 +23,19 @@ def test_per_step_leaves_out_the_gaps_between_steps():
 def test_per_step_with_an_uneven_count_takes_the_whole_profile():
     busy, span = per_step([(0, 4), (6, 10), (10, 14), (16, 20), (30, 31)], 2)
     assert (busy, span) == (pytest.approx(8.5e-6), pytest.approx(15.5e-6))
+
+
+def test_profile_of_a_jitted_step_splits_its_time_on_the_cpu():
+    """The whole path on the CPU backend (its thunks stand in for device events): a GEMM step's profile has its
+    dot in the gemm category, every op matched to the compiled HLO."""
+    import jax
+    import jax.numpy as jnp
+    from step_profile import profile_step
+
+    f = jax.jit(lambda a, b: jnp.tanh(a @ b))
+    a = jnp.ones((256, 256), jnp.float32)
+    f(a, a).block_until_ready()
+    prof = profile_step(lambda: f(a, a).block_until_ready(), 2, f.lower(a, a).compile().as_text(), 1e-3)
+    assert "profile_error" not in prof, prof.get("profile_error")
+    assert prof["gemm_ms"] > 0 and prof["kernels_per_step"]["gemm"] >= 1
+    assert prof["unmatched_ops"] == 0
