@@ -86,7 +86,8 @@ def test_loop_reads_each_block_of_losses_one_block_late(tmp_path, monkeypatch):
 
 
 def test_loop_stops_on_a_nan_loss_within_two_blocks(tmp_path, monkeypatch):
-    """A NaN loss from step 12 on: the loop raises once it reads that block, one block late (at the 30th dispatch)."""
+    """A NaN loss from step 12 on: the loop raises once it reads that block, one block late (at the 30th dispatch),
+    naming the first step whose loss is not finite."""
     dispatched = [0]
     step_fn = R._state.donated_train_step
 
@@ -96,6 +97,6 @@ def test_loop_stops_on_a_nan_loss_within_two_blocks(tmp_path, monkeypatch):
         return st, {**m, "loss": jnp.where(dispatched[0] > 12, jnp.nan, m["loss"])}
 
     monkeypatch.setattr(R._state, "donated_train_step", nan_from_12)
-    with pytest.raises(FloatingPointError, match="recipe bf16: loss is nan at step 19"):
+    with pytest.raises(FloatingPointError, match="recipe bf16: loss is nan at step 12"):
         R.run(cfg(tmp_path, recipe="bf16", compare=(), steps=60, eval_every=0), echo=lambda *_: None)
     assert dispatched[0] == 30

@@ -172,10 +172,9 @@ def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir, signals=()):
     val = [batch(b) for b in dataset.val_batches(cfg.eval_batches)]
     throughput = _Throughput(dataset.tokens_per_batch)
     bar = _progress(cfg.steps, start, rec.name, cfg.progress)
-    pending, queued, t0 = [], [], time.perf_counter()
+    pending, unread, t0 = [], [], time.perf_counter()  # unread: the block dispatched before `pending`
 
-    def read(blocks):  # the losses of these blocks of steps, from the device
-        done = [p for blk in blocks for p in blk]
+    def read(done):  # the losses of these steps, from the device
         losses = jax.device_get([l for _, l in done])
         res.train_curve += [[s, float(l)] for (s, _), l in zip(done, losses)]
         rate = throughput.logged(done[-1][0] + 1)
@@ -183,9 +182,10 @@ def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir, signals=()):
             res.tokens_per_s = rate
         bar.set_postfix_str(f"loss {res.train_curve[-1][1]:.4f}, "
                             f"{rate if math.isfinite(rate) else 0:,.0f} tok/s", refresh=False)
-        if not math.isfinite(res.train_curve[-1][1]):
+        bad = next(((s, l) for s, l in res.train_curve[-len(done):] if not math.isfinite(l)), None)
+        if bad:
             bar.close()
-            raise FloatingPointError(f"recipe {rec.name}: loss is {res.train_curve[-1][1]} at step {done[-1][0]}")
+            raise FloatingPointError(f"recipe {rec.name}: loss is {bad[1]} at step {bad[0]}")
 
     for step in range(start, cfg.steps):
         st, metrics = _state.donated_train_step(st, batch(dataset.train_batch(step)))
@@ -195,16 +195,15 @@ def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir, signals=()):
         save = ckdir is not None and (last or stop or
                                       (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0))
         eval_now = cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last)
-        drain = last or save or stop or eval_now  # the state is read next: every queued step is waited for
-        if len(pending) >= 10 or drain:
-            queued.append(pending)
-            pending = []
+        if last or save or stop or eval_now:  # the state is read next: every queued step is waited for
+            read(unread + pending)
+            unread, pending = [], []
+        elif len(pending) >= 10:
             # Reading the newest block's losses would wait for the device to finish every step queued so far,
-            # and each block would then start on an empty device queue: read the blocks before it instead.
-            ready = queued if drain else queued[:-1]
-            if ready:
-                read(ready)
-                queued = [] if drain else queued[-1:]
+            # and each block would then start on an empty device queue: read the block before it instead.
+            if unread:
+                read(unread)
+            unread, pending = pending, []
         if eval_now:
             with throughput.pause(st):
                 res.val_curve.append([step + 1, _state.evaluate(st, val)])
