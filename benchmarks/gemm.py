@@ -1,7 +1,8 @@
 """GEMM throughput on one GPU, one process: each jaxhq FFI kernel next to XLA bf16, XLA FP8 and
 jax.nn.scaled_matmul (MXFP8, NVFP4), at 8192^3 and the LLM shapes M=16384, (K, N) in {(4096, 4096),
 (4096, 14336), (14336, 4096)}. TFLOP/s = 2MNK / median time; operands quantized once, outside the timing.
-jaxhq_mxfp8 is the FP8-wgmma kernel on a Hopper, jaxhq_mxfp8_dq the dequantize + bf16 path; the grouped rows
+jaxhq_mxfp8 is the FP8-wgmma kernel on a Hopper, jaxhq_mxfp8_dq the dequantize + bf16 path; jaxhq_nvfp4 is the
+dequantize + bf16 path, jaxhq_nvfp4_wgmma (Hopper) the codes decoded on chip into fp16 wgmma; the grouped rows
 split M into 8 experts, their weights stacked once outside the timing (ref = the dense kernel of the same
 path; FP8 grouped: the wgmma kernel with the group sizes read on the device, `_lt` cuBLASLt per group with
 the sizes read on the host, `_unpaired` the wgmma kernel without its two-CTA clusters,
@@ -92,7 +93,10 @@ def variants(m, k, n, key, xla_scaled=False):
 
     na = _quantizer(NVFP4())(x)
     nb = _quantizer(NVFP4())(w)
-    v["jaxhq_nvfp4"] = (jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.bfloat16)), (na, nb))
+    v["jaxhq_nvfp4"] = (jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.bfloat16, kernel="dequantize")), (na, nb))
+    if G._hopper() and k % 32 == 0:  # decoded on chip, fp16 wgmma
+        v["jaxhq_nvfp4_wgmma"] = (jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.bfloat16, kernel="wgmma")),
+                                  (na, nb))
     try:  # the same E2M1 values as jnp.float4_e2m1fn, E4M3 block scales (global scale left out)
         from jaxhq.formats.casts import e2m1_decode, unpack_nibbles
         to_f4 = jax.jit(lambda d: e2m1_decode(unpack_nibbles(d)).astype(jnp.float4_e2m1fn))
@@ -112,7 +116,7 @@ REF = {"jaxhq_fp8_tensor": "xla_fp8_dot_general", "jaxhq_fp8_tensor_fastacc": "x
           for s in ("", "_unpaired", "_lt")},
        "jaxhq_mxfp8": "scaled_matmul_mxfp8", "jaxhq_mxfp8_dq": "scaled_matmul_mxfp8",
        f"jaxhq_mxfp8_grouped{GROUPS}": "jaxhq_mxfp8", f"jaxhq_mxfp8_grouped{GROUPS}_dq": "jaxhq_mxfp8_dq",
-       "jaxhq_nvfp4": "scaled_matmul_nvfp4"}
+       "jaxhq_nvfp4": "scaled_matmul_nvfp4", "jaxhq_nvfp4_wgmma": "scaled_matmul_nvfp4"}
 COLUMNS = ["M", "K", "N", "kernel", "ms", "tflops", "x_bf16", "x_ref", "ref"]
 
 

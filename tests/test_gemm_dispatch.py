@@ -49,5 +49,7 @@ def test_kernel_choice_errors():
     with pytest.raises(G.GemmUnsupported, match="multiple of 16"):
         G.blockscaled_gemm(_mx(8, 40), _mx(16, 40), jnp.float32, kernel="wgmma")
     n = quantize(jnp.ones((8, 64), jnp.float32), NVFP4(), "rowwise").rowwise
-    with pytest.raises(G.GemmUnsupported, match="not MXFP8"):
+    with pytest.raises(G.GemmUnsupported, match="Hopper"):  # the NVFP4 kernel (decoded on chip) too
         G.blockscaled_gemm(n, n, jnp.float32, kernel="wgmma")
+    with pytest.raises(G.GemmUnsupported, match="no kernel for"):
+        G.blockscaled_gemm(n, a, jnp.float32, kernel="wgmma")

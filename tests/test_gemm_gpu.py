@@ -382,7 +382,20 @@ def test_short_workspace_is_an_error_naming_the_bytes():
 @pytest.mark.parametrize("recipe", ["fp8_current", "fp8_block", "mxfp8", "nvfp4"])
 def test_dense_op_uses_kernels(recipe):
     """jaxhq.ops.dense on GPU (forward, dgrad, wgrad through the table) matches the same op with the exact
-    dequantized reference GEMM in the table: the quantization is identical, only the GEMMs differ.
+    dequantized reference GEMM in the table: the quantization is identical, only the GEMMs differ."""
+    _dense_op_case(recipe)
+
+
+def test_dense_op_nvfp4_wgmma(monkeypatch):
+    """The same with every NVFP4 GEMM on the kernel that decodes the codes on chip (JAXHQ_NVFP4_GEMM=wgmma): the
+    quantize kernels then write codes, not decoded copies, and the dgrad reads the weight's columnwise codes."""
+    _hopper_only()
+    monkeypatch.setenv("JAXHQ_NVFP4_GEMM", "wgmma")
+    _dense_op_case("nvfp4")
+
+
+def _dense_op_case(recipe):
+    """The check of test_dense_op_uses_kernels.
 
     The reference puts an optimization barrier between quantize and dequantize: without it XLA:GPU's
     simplify-fp-conversions pass (on by default, xla_allow_excess_precision) deletes the f32 -> fp8 -> f32
@@ -493,6 +506,61 @@ def test_mxfp8_wgmma_bias_accumulate(dtype):
     fn = jax.jit(lambda a, b, c, bias: G.blockscaled_gemm(a, b, dtype, bias=bias, accumulate=c, kernel="wgmma"))
     want = ref + np.asarray(c, np.float64) + np.asarray(bias, np.float64)[None, :]
     _check(fn(a, b, c, bias), want, dtype, f"wgmma bias+accumulate {jnp.dtype(dtype).name} seed={seed}")
+
+
+# ---- NVFP4 decoded on chip (Hopper, nvfp4_wgmma.cu). The decoded operands are exact (e2m1 * scale * 2^-8 in
+# fp16) and fp16 products are exact in the tensor core, so what is left is fp32 accumulation, as on the dequantize
+# path; the same bounds hold, and a wrong decode, permutation, swizzle or scale gives O(1).
+NV_CASES = [("forward", 1), ("forward", 17), ("forward", 1000), ("dgrad", 17), ("dgrad", 1000), ("wgrad", 128),
+            ("wgrad", 1024)]
+
+
+@pytest.mark.parametrize("gemm,m", NV_CASES, ids=[f"{g}-{m}" for g, m in NV_CASES])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_nvfp4_wgmma(gemm, m, dtype):
+    """The nvfp4 recipe's forward (1x16 x 16x16 blocks), dgrad (stochastically rounded gradients) and wgrad (both
+    Hadamard-transformed) layouts; odd M and partial 128-row tiles; wgrad M = 1024 runs the 4-stage ring around
+    twice."""
+    _hopper_only()
+    a, b, seed = _operands("nvfp4", gemm, m)
+    fn = jax.jit(lambda a, b: G.blockscaled_gemm(a, b, dtype, kernel="wgmma"))
+    out = _poisoned_call(fn, a, b, shape=(a.shape[0], b.shape[0]), dtype=dtype)
+    _check(out, _reference(a, b), dtype, f"nvfp4 wgmma {gemm} M={m} {jnp.dtype(dtype).name} seed={seed}")
+
+
+@pytest.mark.parametrize("m,k,n", [(300, 2048, 200), (129, 320, 136), (1, 32, 8), (4096, 512, 2304), (64, 96, 1024)])
+def test_nvfp4_wgmma_shapes(m, k, n):
+    """Partial tiles along M and N, K = 320 and 96 (a partial 128-wide K tile: the codes past K come in as zeros
+    and their scales are zero), K = 32 (one pair of blocks), more tiles than CTAs; values spread over many
+    binades so that small block scales (E4M3 subnormals) and large ones meet in one GEMM."""
+    _hopper_only()
+    rng, seed = _rng()
+    spread = lambda shape: rng.standard_normal(shape) * np.exp2(rng.integers(-12, 6, shape))  # noqa: E731
+    x = jnp.asarray(spread((m, k)), jnp.float32)
+    w = jnp.asarray(spread((n, k)) * 0.05, jnp.float32)
+    a = quantize(x, NVFP4(), "rowwise").rowwise
+    b = quantize(w, NVFP4(block_2d=True), "rowwise").rowwise
+    fn = jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.float32, kernel="wgmma"))
+    out = _poisoned_call(fn, a, b, shape=(m, n), dtype=jnp.float32)
+    _check(out, _reference(a, b), jnp.float32, f"nvfp4 wgmma {m}x{k}x{n} seed={seed}")
+    with pytest.raises(G.GemmUnsupported, match="multiple of 32"):
+        short = quantize(x[:, :16], NVFP4(), "rowwise").rowwise
+        G.blockscaled_gemm(short, quantize(w[:, :16], NVFP4(), "rowwise").rowwise, jnp.float32, kernel="wgmma")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_nvfp4_wgmma_bias_accumulate(dtype):
+    """out = c + A @ B.T + bias with c random: an element the kernel does not write keeps c and fails."""
+    _hopper_only()
+    a, b, seed = _operands("nvfp4", "forward", 1000)
+    rng = np.random.default_rng(seed)
+    ref = _reference(a, b)
+    scale = np.abs(ref).mean()
+    c = jnp.asarray(rng.standard_normal(ref.shape) * scale, dtype)
+    bias = jnp.asarray(rng.standard_normal(ref.shape[1]) * scale, dtype)
+    fn = jax.jit(lambda a, b, c, bias: G.blockscaled_gemm(a, b, dtype, bias=bias, accumulate=c, kernel="wgmma"))
+    want = ref + np.asarray(c, np.float64) + np.asarray(bias, np.float64)[None, :]
+    _check(fn(a, b, c, bias), want, dtype, f"nvfp4 wgmma bias+accumulate {jnp.dtype(dtype).name} seed={seed}")
 
 
 def test_mxfp8_auto_follows_wgmma_wins(monkeypatch):

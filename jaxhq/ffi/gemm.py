@@ -1,10 +1,10 @@
 """GPU GEMM kernels through XLA FFI: A @ B.T on the quantized storages exactly as the quantizers lay them out.
 
 `fp8_gemm` (per-tensor FP8, and FP8 blockwise 1x128 / 128x128) runs one cuBLASLt FP8 GEMM that reads the
-scales on the device; `blockscaled_gemm` runs MXFP8 on Hopper on FP8 tensor cores (`wgmma`, the 1x32 scales
-applied in FP32 registers per K step), and otherwise (NVFP4; other GPUs; K % 16 != 0) dequantizes both
-operands exactly to bf16 in a workspace and runs a cuBLASLt bf16 GEMM with the NVFP4 global scales as
-a device-side alpha. Each takes
+scales on the device; `blockscaled_gemm` dequantizes MXFP8 and NVFP4 operands exactly to bf16 in a workspace and
+runs a cuBLASLt bf16 GEMM (the NVFP4 global scales as a device-side alpha), or, with `kernel="wgmma"` on a Hopper,
+runs MXFP8 on FP8 tensor cores (the 1x32 scales applied in FP32 registers per K step) and NVFP4 on fp16 tensor
+cores with the codes decoded in shared memory (no bf16 copy in HBM). Each takes
 an optional bias [N] and an optional `accumulate` array [M, N] that the result is added into (aliased, for
 wgrad accumulation). `grouped_gemm` runs the ragged MoE version of either in one FFI call.
 This module does not know the dispatch table: `jaxhq.ops.gemm` imports it and registers these kernels
@@ -22,8 +22,8 @@ from jax import lax
 
 from ..formats import Storage
 
-FP8_TARGET, DQ_TARGET, MX_TARGET = "jaxhq_gemm_fp8", "jaxhq_gemm_dq", "jaxhq_gemm_mxfp8"
-KERNELS = ("auto", "wgmma", "dequantize")  # the MXFP8 kernel choices of blockscaled_gemm / grouped_gemm
+FP8_TARGET, DQ_TARGET, MX_TARGET, NV_TARGET = "jaxhq_gemm_fp8", "jaxhq_gemm_dq", "jaxhq_gemm_mxfp8", "jaxhq_gemm_nvfp4"
+KERNELS = ("auto", "wgmma", "dequantize")  # the MXFP8 / NVFP4 kernel choices of blockscaled_gemm / grouped_gemm
 FP8_GROUPED_KERNELS = ("auto", "wgmma", "cublaslt")  # grouped_gemm's choices for per-tensor / blockwise FP8
 FP8_WGMMA_GROUPED = "jaxhq_gemm_fp8_wgmma_grouped"
 MODE_TENSOR, MODE_VEC128, MODE_BLK128 = 0, 1, 2
@@ -202,11 +202,11 @@ def _hopper() -> bool:
     return cc.split(".")[0] == "9"
 
 
-# Whether "auto" takes the wgmma kernel. It passes every GPU test (dense and grouped) but is the slower path: on an
-# H100 (2026-11-25, one run) wgmma 380-381 TFLOP/s against dequantize + bf16 695-723 at 8192^3, 16384x4096x14336
-# and 8192x4096x28672; the H100-preset training step 81.2 ms against 53.6 (docs/gemm.md).
+# Whether "auto" takes the wgmma kernel, per format family. Both pass every GPU test but are the slower paths
+# (docs/gemm.md): MXFP8 on an H100 (2026-11-25, one run) wgmma 380-381 TFLOP/s against dequantize + bf16 695-723
+# at 8192^3, 16384x4096x14336 and 8192x4096x28672, the H100-preset training step 81.2 ms against 53.6.
 WGMMA_WINS = False
-
+NVFP4_WGMMA_WINS = False
 
 def _wgmma_unfit(n: int, k: int, groups: int = 0) -> str:
     """Why the FP8 wgmma kernel cannot take an [M, K] x [N, K] GEMM ("" when it can): its limits in
@@ -223,22 +223,31 @@ def _settled(kernel: str, choices: tuple, why: str, name: str):
     if kernel not in choices:
         raise ValueError(f"{name}: kernel must be one of {choices}, got {kernel!r}")
     if kernel == "wgmma" and why:
-        raise GemmUnsupported(f"{name}: the FP8 wgmma kernel does not apply: {why}")
+        raise GemmUnsupported(f"{name}: the wgmma kernel does not apply: {why}")
     return kernel == "wgmma" if kernel != "auto" or why else None
 
 
 def _use_wgmma(fa: int, fb: int, n: int, k: int, kernel: str, name: str, groups: int = 0) -> bool:
-    """Whether an MXFP8 pair runs on the FP8-wgmma kernel: `kernel` "auto" picks it where it applies
-    (`_wgmma_unfit`, MXFP8 on both sides) and wins, "wgmma" requires it, "dequantize" never.
-    JAXHQ_MXFP8_GEMM=wgmma|dequantize overrides "auto" process-wide where the kernel applies (A/B timing)."""
-    mx = fa != FMT_NVFP4 and fb != FMT_NVFP4
-    settled = _settled(kernel, KERNELS, _wgmma_unfit(n, k, groups) if mx else "not MXFP8 x MXFP8", name)
+    """Whether a block-scaled pair runs on its wgmma kernel (MXFP8 on FP8 tensor cores, NVFP4 decoded on chip):
+    `kernel` "auto" picks it where it applies (`_wgmma_unfit`; the NVFP4 kernel is dense only and needs K % 32
+    == 0) and wins (WGMMA_WINS, NVFP4_WGMMA_WINS), "wgmma" requires it, "dequantize" never.
+    JAXHQ_MXFP8_GEMM / JAXHQ_NVFP4_GEMM = wgmma|dequantize override "auto" process-wide where the kernel applies
+    (A/B timing)."""
+    nv = fa == FMT_NVFP4 and fb == FMT_NVFP4
+    why = _wgmma_unfit(n, k, groups)
+    if nv and not why:
+        why = (f"{groups} groups (the NVFP4 kernel is dense)" if groups else
+               f"K = {k} is not a multiple of 32" if k % 32 else "")
+    elif not nv and (fa == FMT_NVFP4 or fb == FMT_NVFP4):
+        why = "not MXFP8 x MXFP8 or NVFP4 x NVFP4"
+    settled = _settled(kernel, KERNELS, why, name)
     if settled is not None:
         return settled
-    env = os.environ.get("JAXHQ_MXFP8_GEMM", "auto")
+    var = "JAXHQ_NVFP4_GEMM" if nv else "JAXHQ_MXFP8_GEMM"
+    env = os.environ.get(var, "auto")
     if env not in KERNELS:
-        raise ValueError(f"JAXHQ_MXFP8_GEMM must be one of {KERNELS}, got {env!r}")
-    return env == "wgmma" or (env == "auto" and WGMMA_WINS)
+        raise ValueError(f"{var} must be one of {KERNELS}, got {env!r}")
+    return env == "wgmma" or (env == "auto" and (NVFP4_WGMMA_WINS if nv else WGMMA_WINS))
 
 
 def _fp8_grouped_wgmma(n: int, k: int, groups: int, kernel: str, name: str) -> bool:
@@ -252,9 +261,9 @@ def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=Non
                      kernel: str = "auto"):
     """A @ B.T (+ bias) (+ accumulate) for MXFP8 x MXFP8 (E4M3/E5M2) or NVFP4 x NVFP4 storages.
 
-    MXFP8 runs on the FP8-wgmma kernel where it applies (see `_use_wgmma`; `kernel` forces a path), else the
-    exact dequantize + bf16 GEMM. NVFP4 with the Hadamard transform on both operands contracts in the
-    transformed domain (it cancels); on exactly one operand it is unsupported.
+    The exact dequantize + bf16 GEMM, or the pair's wgmma kernel where it applies and `kernel` (or "auto", see
+    `_use_wgmma`) asks for it. NVFP4 with the Hadamard transform on both operands contracts in the transformed
+    domain (it cancels); on exactly one operand it is unsupported.
     """
     name = "block-scaled GEMM"
     fa, fb = _dq_fmt(a, name), _dq_fmt(b, name)
@@ -270,17 +279,23 @@ def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=Non
         if kernel == "wgmma":
             raise GemmUnsupported(f"{name}: the wgmma kernel reads codes, not decoded copies")
         kernel = "dequantize"
+    if fa == FMT_NVFP4 and a.quantizer.uses_rht(a.axis) != b.quantizer.uses_rht(b.axis):
+        raise GemmUnsupported(f"{name}: the Hadamard transform is on one operand only")
     if _use_wgmma(fa, fb, n, k, kernel, name):
         out_dtype, bias_, c, aliases = _out_tail(m, n, out_dtype, bias, accumulate, name)
         if not _registered():
             raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
+        if fa == FMT_NVFP4:
+            call = jax.ffi.ffi_call(NV_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype),
+                                    input_output_aliases={7: 0} if aliases else {}, vmap_method="sequential")
+            return call(_u8(a.data), _u8(a.scale_inv), jnp.asarray(a.amax, jnp.float32).reshape(()), _u8(b.data),
+                        _u8(b.scale_inv), jnp.asarray(b.amax, jnp.float32).reshape(()), bias_, c, k=np.int64(k),
+                        accumulate=np.int32(accumulate is not None))
         call = jax.ffi.ffi_call(MX_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype), input_output_aliases=aliases,
                                 vmap_method="sequential")
         return call(_u8(a.data), _u8(a.scale_inv), _u8(b.data), _u8(b.scale_inv), bias_, c, fmt_a=np.int32(fa),
                     fmt_b=np.int32(fb), k=np.int64(k), accumulate=np.int32(accumulate is not None))
     if fa == FMT_NVFP4:
-        if a.quantizer.uses_rht(a.axis) != b.quantizer.uses_rht(b.axis):
-            raise GemmUnsupported(f"{name}: the Hadamard transform is on one operand only")
         if k % 16:
             raise GemmUnsupported(f"{name}: NVFP4 needs K % 16 == 0, got {k}")
         amax_a, amax_b = jnp.asarray(a.amax, jnp.float32), jnp.asarray(b.amax, jnp.float32)

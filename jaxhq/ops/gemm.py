@@ -123,8 +123,9 @@ def decoded_copies(quantizer, usage) -> tuple:
     if mode == "0" or not _decoding_gemm(mode):
         return ()
     fams = ("mxfp8", "nvfp4") if mode == "1" else DECODED_FAMILIES
-    if os.environ.get("JAXHQ_MXFP8_GEMM") == "wgmma":  # that kernel reads codes
-        fams = tuple(f for f in fams if f != "mxfp8")
+    for fam, var in (("mxfp8", "JAXHQ_MXFP8_GEMM"), ("nvfp4", "JAXHQ_NVFP4_GEMM")):
+        if os.environ.get(var) == "wgmma":  # that kernel reads codes
+            fams = tuple(f for f in fams if f != fam)
     return tuple(a for a in usage if side(quantizer, a).name in fams)
 
 

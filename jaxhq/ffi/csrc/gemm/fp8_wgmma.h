@@ -5,7 +5,8 @@
 //   kScaleBlock:  FP8 blockwise, fp32 scales per 128-wide K step: A 1x128, B 1x128 or 128x128;
 //   kScaleTensor: per-tensor FP8, out = sa * sb[group] * the sum, promoted to FP32 every 128-wide K step.
 // Dense, or grouped (MoE) with the group sizes read on the device (no host synchronisation). Returns "" or an
-// error.
+// error. NVFP4 has a kernel of its own (nvfp4_wgmma.cu, dense): codes and scales decoded to fp16 in shared memory,
+// fp16 wgmma.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -40,6 +41,15 @@ std::string wgmma_unsupported(const WgmmaOperand& a, const WgmmaOperand& b, int6
 std::string wgmma_gemm(int scaling, const WgmmaOperand& a, const WgmmaOperand& b, int64_t n, int64_t k,
                        const int32_t* group_sizes, int64_t groups, void* out, bool out_f32, const void* bias,
                        bool accumulate, void* sa_tmp, void* sb_tmp, cudaStream_t s);
+
+// NVFP4 x NVFP4 (E2M1 codes [rows, k / 2] bytes, E4M3 scales [rows, k / 16]; `e5m2` unused), dense: out = the
+// product of the decoded operands times *alpha (the two global decodes, on the device). sa_tmp / sb_tmp: scratch
+// of nvfp4_wgmma_scale_bytes(rows, k) each.
+int64_t nvfp4_wgmma_scale_bytes(int64_t rows, int64_t k);
+std::string nvfp4_wgmma_unsupported(int64_t a_rows, int64_t n, int64_t k);
+std::string nvfp4_wgmma_gemm(const WgmmaOperand& a, const WgmmaOperand& b, int64_t n, int64_t k, const float* alpha,
+                             void* out, bool out_f32, const void* bias, bool accumulate, void* sa_tmp, void* sb_tmp,
+                             cudaStream_t s);
 
 }  // namespace gemm
 }  // namespace jaxhq

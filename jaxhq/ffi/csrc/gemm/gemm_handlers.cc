@@ -5,6 +5,7 @@
 //                   the NVFP4 global scales as alpha on the device.
 //   jaxhq_gemm_mxfp8: MXFP8 on Hopper FP8 tensor cores (fp8_wgmma.cu), the 1x32 scales applied in registers;
 //                   its grouped version reads the group sizes on the device (no host synchronisation).
+//   jaxhq_gemm_nvfp4: NVFP4 on Hopper fp16 tensor cores (nvfp4_wgmma.cu), the codes decoded in shared memory.
 //   jaxhq_gemm_fp8_wgmma_grouped: per-tensor / blockwise FP8 grouped on the same kernel (Hopper), the group
 //                   sizes read on the device; jaxhq_gemm_fp8_grouped is its cuBLASLt form (host sizes).
 // Optional bias [N] and accumulate-into (out aliases the `c` input). The dense handlers take their cuBLASLt
@@ -947,6 +948,39 @@ ffi::Error gemm_mxfp8_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, 
   return run_wgmma_grouped(stream, scratch, gemm::kScaleMx, oa, ob, t, n, k, gs, groups, bias, cin, out, accumulate);
 }
 
+// ---- NVFP4 decoded on chip (Hopper): A [M, K], B [N, K] codes and E4M3 scales, each operand's amax for its
+// global decode.
+ffi::Error gemm_nvfp4(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi::AnyBuffer a, ffi::AnyBuffer sa,
+                      ffi::AnyBuffer amax_a, ffi::AnyBuffer b, ffi::AnyBuffer sb, ffi::AnyBuffer amax_b,
+                      ffi::AnyBuffer bias, ffi::AnyBuffer cin, ffi::Result<ffi::AnyBuffer> out, int64_t k,
+                      int32_t accumulate) {
+  Scratch scratch{alloc};
+  auto da = a.dimensions(), db = b.dimensions();
+  if (da.size() != 2 || db.size() != 2) return invalid("NVFP4: A and B data must be 2D, got " + dims(a) + " and " + dims(b));
+  if (auto e = check_dq(a, sa, 1, da[0], kNvfp4, k, "A"); e.failure()) return e;
+  if (auto e = check_dq(b, sb, 1, db[0], kNvfp4, k, "B"); e.failure()) return e;
+  if (amax_a.element_count() != 1 || amax_b.element_count() != 1 || amax_a.element_type() != ffi::DataType::F32 ||
+      amax_b.element_type() != ffi::DataType::F32)
+    return invalid("NVFP4: each operand needs one float32 amax, got " + dims(amax_a) + " and " + dims(amax_b));
+  LtCall c{};
+  if (auto e = check_out(da[0], db[0], bias, cin, out, accumulate, &c); e.failure()) return e;
+  if (std::string why = gemm::nvfp4_wgmma_unsupported(da[0], db[0], k); !why.empty())
+    return invalid("NVFP4 wgmma GEMM: " + why);
+  auto* ab = static_cast<float*>(scratch.get(2 * sizeof(float)));
+  void* sa_tmp = scratch.get(gemm::nvfp4_wgmma_scale_bytes(da[0], k));
+  void* sb_tmp = scratch.get(gemm::nvfp4_wgmma_scale_bytes(db[0], k));
+  if (!ab || !sa_tmp || !sb_tmp) return out_of_scratch(scratch, "the NVFP4 wgmma kernel's scales");
+  if (std::string e = gemm::nvfp4_alpha(static_cast<const float*>(amax_a.untyped_data()),
+                                        static_cast<const float*>(amax_b.untyped_data()), 0.f, ab, stream);
+      !e.empty())
+    return internal("alpha: " + e);
+  const gemm::WgmmaOperand oa{static_cast<const uint8_t*>(a.untyped_data()), sa.untyped_data(), da[0], false};
+  const gemm::WgmmaOperand ob{static_cast<const uint8_t*>(b.untyped_data()), sb.untyped_data(), db[0], false};
+  std::string e = gemm::nvfp4_wgmma_gemm(oa, ob, db[0], k, ab, c.d, c.out_type == lt::kR32F, c.bias, c.accumulate,
+                                         sa_tmp, sb_tmp, stream);
+  return e.empty() ? ffi::Error::Success() : invalid("NVFP4 wgmma GEMM: " + e);
+}
+
 // ---- Per-tensor and blockwise FP8 on the same wgmma kernel, grouped: the group sizes read on the device.
 ffi::Error gemm_fp8_wgmma_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi::AnyBuffer a,
                                   ffi::AnyBuffer sa, ffi::AnyBuffer b, ffi::AnyBuffer sb, ffi::AnyBuffer gs,
@@ -997,6 +1031,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_mxfp8, jaxhq::gemm_mxfp8,
                                   .Attr<int64_t>("k")
                                   .Attr<int32_t>("accumulate"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_nvfp4, jaxhq::gemm_nvfp4,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()  // a codes [M, K / 2] (uint8)
+                                  .Arg<ffi::AnyBuffer>()  // a E4M3 scales [M, K / 16]
+                                  .Arg<ffi::AnyBuffer>()  // a amax [] float32
+                                  .Arg<ffi::AnyBuffer>()  // b codes [N, K / 2]
+                                  .Arg<ffi::AnyBuffer>()  // b scales
+                                  .Arg<ffi::AnyBuffer>()  // b amax
+                                  .Arg<ffi::AnyBuffer>()  // bias [N] or [0]
+                                  .Arg<ffi::AnyBuffer>()  // c
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("k")
+                                  .Attr<int32_t>("accumulate"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_fp8_wgmma_grouped, jaxhq::gemm_fp8_wgmma_grouped,
                               jaxhq::gemm_bind::gemm_fp8_wgmma_grouped(jaxhq::cuda_bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_mxfp8_grouped, jaxhq::gemm_mxfp8_grouped,
@@ -1026,6 +1076,7 @@ const GemmHandler* gemm_cuda_handlers() {
       {"jaxhq_gemm_mxfp8", reinterpret_cast<void*>(jaxhq_cuda_gemm_mxfp8)},
       {"jaxhq_gemm_mxfp8_grouped", reinterpret_cast<void*>(jaxhq_cuda_gemm_mxfp8_grouped)},
       {"jaxhq_gemm_fp8_wgmma_grouped", reinterpret_cast<void*>(jaxhq_cuda_gemm_fp8_wgmma_grouped)},
+      {"jaxhq_gemm_nvfp4", reinterpret_cast<void*>(jaxhq_cuda_gemm_nvfp4)},
       {nullptr, nullptr},
   };
   return table;

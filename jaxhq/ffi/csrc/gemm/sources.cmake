@@ -1,12 +1,13 @@
 # GEMM handlers (jaxhq/ffi/csrc/gemm), for the CUDA build of _jaxhq_ffi.
 # cuBLASLt is loaded at run time with dlopen (no cuBLAS headers or libraries are needed to build), so the
-# only extra link dependency is libdl. No CUTLASS: the MXFP8 wgmma kernel is hand-written PTX (~5 s to compile);
-# its TMA descriptors are encoded through the runtime's driver entry point (no libcuda link).
+# only extra link dependency is libdl. No CUTLASS: the wgmma kernels (FP8/MXFP8, NVFP4) are hand-written PTX;
+# their TMA descriptors are encoded through the runtime's driver entry point (no libcuda link).
 set(JAXHQ_GEMM_DIR "${CMAKE_CURRENT_LIST_DIR}")
 set(JAXHQ_GEMM_SOURCES
     "${JAXHQ_GEMM_DIR}/gemm_handlers.cc"
     "${JAXHQ_GEMM_DIR}/cublaslt.cc"
     "${JAXHQ_GEMM_DIR}/gemm_kernels.cu"
-    "${JAXHQ_GEMM_DIR}/fp8_wgmma.cu")
+    "${JAXHQ_GEMM_DIR}/fp8_wgmma.cu"
+    "${JAXHQ_GEMM_DIR}/nvfp4_wgmma.cu")
 set(JAXHQ_GEMM_INCLUDES "${JAXHQ_GEMM_DIR}")
 set(JAXHQ_GEMM_LIBS ${CMAKE_DL_LIBS})
