@@ -1,6 +1,7 @@
 """The CUDA kernels' sources run on the CPU emulator (tests/cuda_emu): quantize (every kernel variant), amax
 and dequantize, bit-equal to the CPU handlers' implementation (which test_ffi_cpu.py holds bit-equal to the
-jnp reference), and the GEMMs' bf16 dequantization of MXFP8/NVFP4 operands against ml_dtypes decodes. Fresh
+jnp reference), the GEMMs' bf16 dequantization of MXFP8/NVFP4 operands and the NVFP4 wgmma kernel's fp16
+decode against ml_dtypes decodes. Fresh
 random data; outputs poisoned twice (two byte values, so every byte is proven written); the block's threads
 scheduled forwards, backwards and shuffled (a missing barrier or a race reads poison). No GPU needed: this checks the kernels' indexing, shared-memory use, barriers and shuffles in CI;
 test_ffi_gpu.py checks the same sources compiled by nvcc on a GPU.
@@ -76,6 +77,8 @@ def emu(tmp_path_factory):
     lib.emu_dequant_mxfp8.argtypes = [ptr, ptr, i64, i64, i32, ptr, i32]
     lib.emu_dequant_nvfp4.argtypes = [ptr, ptr, i64, i64, ptr, i32]
     lib.emu_stage_scales.argtypes = [ptr, i64, i64, ptr, i64, i64, i32] * 2 + [i32]
+    lib.emu_nvfp4_decode.argtypes = [ptr, ptr, i64, ptr, ptr]
+    lib.emu_nvfp4_decode.restype = None
     lib.emu_e2m1_mismatches.argtypes = [ctypes.c_uint32, ctypes.c_uint32]
     lib.emu_e2m1_mismatches.restype = ctypes.c_uint64
     lib.emu_e2m1_value_mismatches.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32]
@@ -377,6 +380,29 @@ def test_gemm_dequant_nvfp4_matches_ml_dtypes(emu, k):
         out = np.full((rows, k), 0xFFFF, np.uint16)
         assert emu.emu_dequant_nvfp4(_ptr(data), _ptr(scales), rows, k, _ptr(out), order) == b""
         _same_bf16(out, want, f"nvfp4 k={k} order {order}")
+
+
+def test_nvfp4_wgmma_decode_matches_ml_dtypes(emu):
+    """The NVFP4 wgmma kernel's decode (gemm/nvfp4_decode.cuh): every code in every nibble position, times every
+    E4M3 scale byte (subnormals and NaN included), is e2m1 * scale * 2^-8 exactly as an fp16, written in the order
+    0, 4, 1, 5, 2, 6, 3, 7 (decode8, B's tiles) and as the pairs (c, c + 4) (decode_pair, A's fragments)."""
+    rng = np.random.default_rng(next(_seed))
+    every = np.array([sum(((c + i) % 16) << (4 * i) for i in range(8)) for c in range(16)], np.uint32)
+    words = np.concatenate([np.tile(every, (256, 1)), rng.integers(0, 2**32, (256, 8), dtype=np.uint64)
+                            .astype(np.uint32)], axis=1).reshape(-1)
+    scales = np.repeat(np.arange(256, dtype=np.uint8), 24)
+    out8, pairs = (np.full((words.size, 8), 0xFFFF, np.uint16) for _ in range(2))
+    emu.emu_nvfp4_decode(_ptr(words), _ptr(scales), words.size, _ptr(out8), _ptr(pairs))
+    codes = (words[:, None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
+    sv = scales.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        e2m1 = codes.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+        want = (e2m1 * sv[:, None] * 2.0 ** -8)[:, [0, 4, 1, 5, 2, 6, 3, 7]]
+    got = out8.view(np.float16).astype(np.float64)
+    ok = (got == want) | (np.isnan(got) & np.isnan(want))
+    assert ok.all(), f"{(~ok).sum()} values differ, first: word {words[np.argmin(ok.all(1))]:#010x}"
+    assert np.isnan(want).sum() == 2 * 24 * 8  # the two NaN scale bytes reached every position
+    np.testing.assert_array_equal(pairs, out8)
 
 
 def _staged(src, out_rows, ld, transpose):

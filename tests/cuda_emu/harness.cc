@@ -4,6 +4,7 @@
 #include "cuda_emu.h"
 #include "cuda_launch.h"
 #include "gemm/gemm_kernels.h"
+#include "gemm/nvfp4_decode.cuh"
 #include "numerics.h"
 
 #include <cmath>
@@ -169,6 +170,22 @@ uint64_t emu_e2m1_sr_mismatches(uint32_t lo, uint32_t hi, uint32_t k, uint64_t* 
     }
   }
   return bad;
+}
+
+// The NVFP4 wgmma kernel's decode (gemm/nvfp4_decode.cuh) of n code words, word i with the E4M3 scale byte
+// scales[i]: out8 [n][8] fp16 bits in the order decode8 writes them, pairs [n][4][2] decode_pair's for c = 0..3.
+void emu_nvfp4_decode(const uint32_t* words, const uint8_t* scales, int64_t n, uint16_t* out8, uint16_t* pairs) {
+  using namespace jaxhq::gemm;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t sw = nvfp4_scale_word(scales[i]);
+    const uint4 o = decode8(words[i], sw);
+    const uint32_t v[4] = {o.x, o.y, o.z, o.w};
+    for (int c = 0; c < 4; ++c) {
+      const uint32_t p = decode_pair(words[i], c, sw);
+      out8[8 * i + 2 * c] = uint16_t(v[c]), out8[8 * i + 2 * c + 1] = uint16_t(v[c] >> 16);
+      pairs[8 * i + 2 * c] = uint16_t(p), pairs[8 * i + 2 * c + 1] = uint16_t(p >> 16);
+    }
+  }
 }
 
 }  // extern "C"

@@ -12,20 +12,14 @@
 // h was last read by the wgmmas of half h - 3, which both warpgroups have waited for before they met at the
 // barrier of half h - 1), and two sets of A fragments alternate likewise.
 //
-// Exactness. An E2M1 value times its E4M3 scale has at most 6 significant bits (E4M3 has 4, E2M1 2), too many for
-// FP8 but exact in fp16 once shifted into its range: the decoded operand is e2m1 * scale * 2^-8, between 2^-18 (its
-// lowest bit; fp16 resolves 2^-24) and 10.5. The decode puts a code's three magnitude bits into fp16 bits 9-11 and
-// its sign into bit 15, which reads as e2m1 * 2^-14 (subnormal below 1), and multiplies it by the scale word
-// `scale * 2^6` (fp16, at most 28672): one exact fp16 product per element. Products of fp16 operands are exact in
-// the tensor core, so the result is the dequantize path's up to summation order; the epilogue multiplies by 2^16
-// (exact) and then by the two global decodes, as that path's alpha does. The decode writes the eight elements of a
-// 32-bit code word in the order 0, 4, 1, 5, 2, 6, 3, 7 (two shifts and a mask per fp16 pair), and a thread's A
-// fragment (K pairs 2c, 2c + 1 and 2c + 8, 2c + 9 of a k16 step) takes codes c, c + 4 of the block's two words:
-// A and B are permuted alike, so the contraction is unchanged.
-#include <cuda_fp16.h>
-
+// Exactness: the decoded operand is e2m1 * scale * 2^-8, exact in fp16 (nvfp4_decode.cuh), and products of fp16
+// operands are exact in the tensor core, so the result is the dequantize path's up to summation order; the
+// epilogue multiplies by 2^16 (exact) and then by the two global decodes, as that path's alpha does. The decode
+// writes the eight elements of a 32-bit code word in the order 0, 4, 1, 5, 2, 6, 3, 7 (two shifts and a mask per
+// fp16 pair), and a thread's A fragment (K pairs 2c, 2c + 1 and 2c + 8, 2c + 9 of a k16 step) takes codes c, c + 4
+// of the block's two words: A and B are permuted alike, so the contraction is unchanged.
 #include "fp8_wgmma.h"
-#include "numerics.h"
+#include "nvfp4_decode.cuh"
 #include "wgmma_common.cuh"
 
 namespace jaxhq {
@@ -47,38 +41,15 @@ constexpr int kBufBytes = kTN * kHalf * 2;                // B's 256 rows, 32 Ki
 constexpr int kSmemBytes = kStages * kStageBytes + kBufs * kBufBytes + 1024 + 2 * kStages * 8;
 static_assert(kStageBytes % 1024 == 0 && kBufBytes % 1024 == 0, "decode buffers keep 128-byte swizzle alignment");
 
-// NVFP4 scales E4M3 [rows, k / 16] -> words [ceil(k / 128)][8][ld]: each scale times 2^6 as two equal fp16
-// halves (exact: at most 448 * 64, at least 2^-3), zero past K and past the last row.
+// NVFP4 scales E4M3 [rows, k / 16] -> words [ceil(k / 128)][8][ld] (nvfp4_scale_word), zero past K and past the
+// last row.
 __global__ void nvfp4_tile_scales_kernel(const uint8_t* __restrict__ s, int64_t rows, int64_t k, int64_t ld,
                                          uint32_t* __restrict__ out) {
   const int64_t nb = k / 16, total = cdiv(k, kBK) * kSlots * ld;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i % ld, blk = i / ld;
-    uint32_t v = 0;
-    if (r < rows && blk < nb) {
-      const uint32_t h = __half_as_ushort(__float2half_rn(e4m3_value(s[r * nb + blk]) * 64.0f));
-      v = h | (h << 16);
-    }
-    out[i] = v;
+    out[i] = r < rows && blk < nb ? nvfp4_scale_word(s[r * nb + blk]) : 0u;
   }
-}
-
-__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
-// Eight E2M1 codes (code i in bits 4i..4i+3 of w) times their block's scale word -> fp16 pairs (0, 4), (1, 5),
-// (2, 6), (3, 7), each e2m1 * scale * 2^-8 (see the top of the file).
-__device__ __forceinline__ uint4 decode8(uint32_t w, uint32_t scale) {
-  constexpr uint32_t kMag = 0x0E000E00u, kSign = 0x80008000u;
-  uint4 o;
-  o.x = hmul2(((w << 9) & kMag) | ((w << 12) & kSign), scale);
-  o.y = hmul2(((w << 5) & kMag) | ((w << 8) & kSign), scale);
-  o.z = hmul2(((w << 1) & kMag) | ((w << 4) & kSign), scale);
-  o.w = hmul2(((w >> 3) & kMag) | (w & kSign), scale);
-  return o;
 }
 
 // One m64n256k16 fp16 wgmma, A from registers (this thread's fragment: rows rl and rl + 8, K pairs 2c and
@@ -119,12 +90,6 @@ __device__ __forceinline__ void wgmma_f16_m64n256k16(float (&d)[128], const uint
 
 // Keeps the compiler from reusing a fragment register before the wgmma reading it has been waited for.
 __device__ __forceinline__ void fence_fragment(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
-
-// Codes c and c + 4 of the word w -> their fp16 pair times the scale word (decode8's pair c).
-__device__ __forceinline__ uint32_t decode_pair(uint32_t w, int c, uint32_t scale) {
-  const uint32_t x = w >> (4 * c);
-  return hmul2(((x << 9) & 0x0E000E00u) | ((x << 12) & 0x80008000u), scale);
-}
 
 template <bool kF32>
 __global__ void __launch_bounds__(kThreads, 1)
