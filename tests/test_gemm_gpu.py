@@ -493,11 +493,13 @@ def test_mxfp8_wgmma_shapes(m, k, n):
     _check(out, _reference(a, b), jnp.float32, f"wgmma {m}x{k}x{n} seed={seed}")
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_mxfp8_wgmma_bias_accumulate(dtype):
-    """out = c + A @ B.T + bias with c random: an element the kernel does not write keeps c and fails."""
+def test_wgmma_bias_accumulate(recipe, dtype):
+    """out = c + A @ B.T + bias with c random, on the MXFP8 and the NVFP4 wgmma kernels: an element the kernel does
+    not write keeps c and fails."""
     _hopper_only()
-    a, b, seed = _operands("mxfp8", "forward", 1000)
+    a, b, seed = _operands(recipe, "forward", 1000)
     rng = np.random.default_rng(seed)
     ref = _reference(a, b)
     scale = np.abs(ref).mean()
@@ -505,7 +507,7 @@ def test_mxfp8_wgmma_bias_accumulate(dtype):
     bias = jnp.asarray(rng.standard_normal(ref.shape[1]) * scale, dtype)
     fn = jax.jit(lambda a, b, c, bias: G.blockscaled_gemm(a, b, dtype, bias=bias, accumulate=c, kernel="wgmma"))
     want = ref + np.asarray(c, np.float64) + np.asarray(bias, np.float64)[None, :]
-    _check(fn(a, b, c, bias), want, dtype, f"wgmma bias+accumulate {jnp.dtype(dtype).name} seed={seed}")
+    _check(fn(a, b, c, bias), want, dtype, f"wgmma {recipe} bias+accumulate {jnp.dtype(dtype).name} seed={seed}")
 
 
 # ---- NVFP4 decoded on chip (Hopper, nvfp4_wgmma.cu). The decoded operands are exact (e2m1 * scale * 2^-8 in
@@ -546,21 +548,6 @@ def test_nvfp4_wgmma_shapes(m, k, n):
     with pytest.raises(G.GemmUnsupported, match="multiple of 32"):
         short = quantize(x[:, :16], NVFP4(), "rowwise").rowwise
         G.blockscaled_gemm(short, quantize(w[:, :16], NVFP4(), "rowwise").rowwise, jnp.float32, kernel="wgmma")
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_nvfp4_wgmma_bias_accumulate(dtype):
-    """out = c + A @ B.T + bias with c random: an element the kernel does not write keeps c and fails."""
-    _hopper_only()
-    a, b, seed = _operands("nvfp4", "forward", 1000)
-    rng = np.random.default_rng(seed)
-    ref = _reference(a, b)
-    scale = np.abs(ref).mean()
-    c = jnp.asarray(rng.standard_normal(ref.shape) * scale, dtype)
-    bias = jnp.asarray(rng.standard_normal(ref.shape[1]) * scale, dtype)
-    fn = jax.jit(lambda a, b, c, bias: G.blockscaled_gemm(a, b, dtype, bias=bias, accumulate=c, kernel="wgmma"))
-    want = ref + np.asarray(c, np.float64) + np.asarray(bias, np.float64)[None, :]
-    _check(fn(a, b, c, bias), want, dtype, f"nvfp4 wgmma bias+accumulate {jnp.dtype(dtype).name} seed={seed}")
 
 
 def test_mxfp8_auto_follows_wgmma_wins(monkeypatch):
