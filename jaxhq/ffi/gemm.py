@@ -204,9 +204,11 @@ def _hopper() -> bool:
 
 # Whether "auto" takes the wgmma kernel, per format family. Both pass every GPU test but are the slower paths
 # (docs/gemm.md): MXFP8 on an H100 (2026-11-25, one run) wgmma 380-381 TFLOP/s against dequantize + bf16 695-723
-# at 8192^3, 16384x4096x14336 and 8192x4096x28672, the H100-preset training step 81.2 ms against 53.6.
+# at 8192^3, 16384x4096x14336 and 8192x4096x28672, the H100-preset training step 81.2 ms against 53.6; NVFP4
+# (2026-11-27) 478-480 against 697-701, the step 1.381x bf16 against 1.051x.
 WGMMA_WINS = False
 NVFP4_WGMMA_WINS = False
+
 
 def _wgmma_unfit(n: int, k: int, groups: int = 0) -> str:
     """Why the FP8 wgmma kernel cannot take an [M, K] x [N, K] GEMM ("" when it can): its limits in
