@@ -1,5 +1,6 @@
 """CPU checks of the GEMM dispatch plumbing: the table (jaxhq.ops.gemm) reads without loading the extension,
-the kernels module (jaxhq.ffi.gemm) does not import the table, and the MXFP8 kernel choice fails clearly."""
+the kernels module (jaxhq.ffi.gemm) does not import the table, and the MXFP8 / NVFP4 kernel choice (which fails
+clearly, and which decides whether the quantize kernels write decoded copies)."""
 from __future__ import annotations
 
 import ast
@@ -53,3 +54,45 @@ def test_kernel_choice_errors():
         G.blockscaled_gemm(n, n, jnp.float32, kernel="wgmma")
     with pytest.raises(G.GemmUnsupported, match="no kernel for"):
         G.blockscaled_gemm(n, a, jnp.float32, kernel="wgmma")
+
+
+def test_wgmma_choice_per_family(monkeypatch):
+    """On a Hopper (faked here) "auto" takes each family's wgmma kernel only when its WINS flag or its variable
+    (JAXHQ_MXFP8_GEMM / JAXHQ_NVFP4_GEMM) asks for it, the NVFP4 kernel only where it applies (dense, K % 32 == 0),
+    and one family's variable leaves the other's choice alone."""
+    monkeypatch.setattr(G, "_hopper", lambda: True)
+    nv, mx = G.FMT_NVFP4, G.FMT_MX_E4M3
+    for var in ("JAXHQ_MXFP8_GEMM", "JAXHQ_NVFP4_GEMM"):
+        monkeypatch.delenv(var, raising=False)
+    assert not G._use_wgmma(nv, nv, 256, 256, "auto", "t") and not G._use_wgmma(mx, mx, 256, 256, "auto", "t")
+    assert G._use_wgmma(nv, nv, 256, 256, "wgmma", "t") and not G._use_wgmma(nv, nv, 256, 256, "dequantize", "t")
+    monkeypatch.setenv("JAXHQ_NVFP4_GEMM", "wgmma")
+    assert G._use_wgmma(nv, nv, 256, 256, "auto", "t") and not G._use_wgmma(mx, mx, 256, 256, "auto", "t")
+    assert not G._use_wgmma(nv, nv, 256, 48, "auto", "t")  # K % 32 != 0: the dequantize path
+    with pytest.raises(G.GemmUnsupported, match="multiple of 32"):
+        G._use_wgmma(nv, nv, 256, 48, "wgmma", "t")
+    with pytest.raises(G.GemmUnsupported, match="dense"):
+        G._use_wgmma(nv, nv, 256, 256, "wgmma", "t", groups=4)
+    assert not G._use_wgmma(nv, nv, 256, 256, "auto", "t", groups=4)
+    monkeypatch.setenv("JAXHQ_NVFP4_GEMM", "sometimes")
+    with pytest.raises(ValueError, match="JAXHQ_NVFP4_GEMM"):
+        G._use_wgmma(nv, nv, 256, 256, "auto", "t")
+    monkeypatch.delenv("JAXHQ_NVFP4_GEMM")
+    monkeypatch.setattr(G, "NVFP4_WGMMA_WINS", True)
+    assert G._use_wgmma(nv, nv, 256, 256, "auto", "t") and not G._use_wgmma(mx, mx, 256, 256, "auto", "t")
+
+
+def test_wgmma_kernels_keep_codes(monkeypatch):
+    """Where a family's GEMMs run on its wgmma kernel (which reads codes) the quantize kernels write that family's
+    codes, not decoded copies; the other family's copies stay decoded."""
+    import importlib
+    table = importlib.import_module("jaxhq.ops.gemm")  # the module, not the function jaxhq.ops.gemm
+    monkeypatch.setattr(table, "_decoding_gemm", lambda mode: True)
+    nv, mx = NVFP4(), MXFP8("e4m3")
+    monkeypatch.delenv("JAXHQ_MXFP8_GEMM", raising=False)
+    monkeypatch.delenv("JAXHQ_NVFP4_GEMM", raising=False)
+    assert table.decoded_copies(nv, ("rowwise",)) == ("rowwise",) == table.decoded_copies(mx, ("rowwise",))
+    monkeypatch.setenv("JAXHQ_NVFP4_GEMM", "wgmma")
+    assert table.decoded_copies(nv, ("rowwise",)) == () and table.decoded_copies(mx, ("rowwise",)) == ("rowwise",)
+    monkeypatch.setenv("JAXHQ_MXFP8_GEMM", "wgmma")
+    assert table.decoded_copies(mx, ("rowwise",)) == ()
