@@ -146,16 +146,6 @@ struct Consumer {
   int cluster, rank;
 };
 
-// A consumer warp is done with ring slot s: released in this CTA and, in a cluster of two, in the other one
-// (whose producer multicasts its half of A into this CTA's slot, so it waits for both CTAs' consumers).
-__device__ __forceinline__ void release(uint64_t* empty, int s, int lane, int cluster, int rank) {
-  __syncwarp();
-  if (lane == 0) {
-    mbar_arrive(&empty[s]);
-    if (cluster == 2) mbar_arrive_cluster(&empty[s], rank ^ 1);
-  }
-}
-
 // The partial sums d (finished) of the K tile in ring position q promoted into acc, times sa[m] * sb[n] for
 // blocks; its stage released.
 template <int kJ>

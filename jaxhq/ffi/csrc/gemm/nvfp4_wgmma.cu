@@ -88,9 +88,6 @@ __device__ __forceinline__ void wgmma_f16_m64n256k16(float (&d)[128], const uint
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
-// Keeps the compiler from reusing a fragment register before the wgmma reading it has been waited for.
-__device__ __forceinline__ void fence_fragment(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
-
 template <bool kF32>
 __global__ void __launch_bounds__(kThreads, 1)
     nvfp4_wgmma_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
@@ -193,17 +190,14 @@ __global__ void __launch_bounds__(kThreads, 1)
             const uint32_t scale = sc_b[(4 * half + chunk / 2) * kSRows + r - cw * 128];
             *reinterpret_cast<uint4*>(buf + r * 128 + ((chunk ^ (r & 7)) << 4)) = decode8(wb, scale);
           }
-          if (half == 1) {  // this warp has read stage s
-            __syncwarp();
-            if (lane == 0) mbar_arrive(&empty[s]);
-          }
+          if (half == 1) release(empty, s, lane, 1, 0);  // this warp has read stage s
           // the decoded tile, written through the generic proxy, is read by wgmma (the async proxy)
           asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
           asm volatile("bar.sync 1, 256;" ::: "memory");
 #pragma unroll
           for (int i = 0; i < 128; ++i) fence_operand(acc[i]);
 #pragma unroll
-          for (int i = 0; i < 16; ++i) fence_fragment(af[half][i]);
+          for (int i = 0; i < 16; ++i) fence_operand(af[half][i]);
           asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
           const uint32_t b_addr = smem_u32(buf);
 #pragma unroll
@@ -213,7 +207,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int i = 0; i < 128; ++i) fence_operand(acc[i]);
 #pragma unroll
-          for (int i = 0; i < 16; ++i) fence_fragment(af[half ^ 1][i]);  // the previous half's wgmmas are done
+          for (int i = 0; i < 16; ++i) fence_operand(af[half ^ 1][i]);  // the previous half's wgmmas are done
         }
       }
       asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");

@@ -110,8 +110,20 @@ __device__ __forceinline__ void tile_of(int pid, int nt, int mt, int* slot, int*
   *slot = first + within % rows, *col = within / rows;
 }
 
-// Keeps the compiler from moving accesses of `r` across a wgmma wait (the tensor core writes it asynchronously).
+// Keeps the compiler from moving accesses of `r` across a wgmma wait (the tensor core writes an accumulator
+// asynchronously), or from reusing a register-operand fragment's register before the wgmma reading it is waited for.
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void fence_operand(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+
+// A consumer warp is done with ring slot s: released in this CTA and, in a cluster of two, in the other one
+// (whose producer multicasts its half of A into this CTA's slot, so it waits for both CTAs' consumers).
+__device__ __forceinline__ void release(uint64_t* empty, int s, int lane, int cluster, int rank) {
+  __syncwarp();
+  if (lane == 0) {
+    mbar_arrive(&empty[s]);
+    if (cluster == 2) mbar_arrive_cluster(&empty[s], rank ^ 1);
+  }
+}
 
 // A group's rows as the host path counts them: negative sizes are 0, and no group runs past the rows there are.
 __device__ __forceinline__ int64_t clamp_size(int32_t size, int64_t left) {
