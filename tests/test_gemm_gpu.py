@@ -545,9 +545,9 @@ def test_nvfp4_wgmma_shapes(m, k, n):
     fn = jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.float32, kernel="wgmma"))
     out = _poisoned_call(fn, a, b, shape=(m, n), dtype=jnp.float32)
     _check(out, _reference(a, b), jnp.float32, f"nvfp4 wgmma {m}x{k}x{n} seed={seed}")
+    short_a, short_b = (quantize(v[:, :16], NVFP4(), "rowwise").rowwise for v in (x, w))
     with pytest.raises(G.GemmUnsupported, match="multiple of 32"):
-        short = quantize(x[:, :16], NVFP4(), "rowwise").rowwise
-        G.blockscaled_gemm(short, quantize(w[:, :16], NVFP4(), "rowwise").rowwise, jnp.float32, kernel="wgmma")
+        G.blockscaled_gemm(short_a, short_b, jnp.float32, kernel="wgmma")
 
 
 def test_mxfp8_auto_follows_wgmma_wins(monkeypatch):

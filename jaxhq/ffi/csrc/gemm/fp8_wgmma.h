@@ -46,7 +46,6 @@ std::string wgmma_gemm(int scaling, const WgmmaOperand& a, const WgmmaOperand& b
 // product of the decoded operands times *alpha (the two global decodes, on the device). sa_tmp / sb_tmp: scratch
 // of nvfp4_wgmma_scale_bytes(rows, k) each.
 int64_t nvfp4_wgmma_scale_bytes(int64_t rows, int64_t k);
-std::string nvfp4_wgmma_unsupported(int64_t a_rows, int64_t n, int64_t k);
 std::string nvfp4_wgmma_gemm(const WgmmaOperand& a, const WgmmaOperand& b, int64_t n, int64_t k, const float* alpha,
                              void* out, bool out_f32, const void* bias, bool accumulate, void* sa_tmp, void* sb_tmp,
                              cudaStream_t s);

@@ -964,8 +964,6 @@ ffi::Error gemm_nvfp4(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi::Any
     return invalid("NVFP4: each operand needs one float32 amax, got " + dims(amax_a) + " and " + dims(amax_b));
   LtCall c{};
   if (auto e = check_out(da[0], db[0], bias, cin, out, accumulate, &c); e.failure()) return e;
-  if (std::string why = gemm::nvfp4_wgmma_unsupported(da[0], db[0], k); !why.empty())
-    return invalid("NVFP4 wgmma GEMM: " + why);
   auto* ab = static_cast<float*>(scratch.get(2 * sizeof(float)));
   void* sa_tmp = scratch.get(gemm::nvfp4_wgmma_scale_bytes(da[0], k));
   void* sb_tmp = scratch.get(gemm::nvfp4_wgmma_scale_bytes(db[0], k));

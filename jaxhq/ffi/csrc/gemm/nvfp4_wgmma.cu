@@ -231,18 +231,19 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-}  // namespace
-
-int64_t nvfp4_wgmma_scale_bytes(int64_t rows, int64_t k) {
-  return (cdiv(k, kBK) * kSlots * rows4(rows) * 4 + 255) / 256 * 256;
-}
-
+// Why the kernel cannot take these operands ("" when it can).
 std::string nvfp4_wgmma_unsupported(int64_t a_rows, int64_t n, int64_t k) {
   if (k <= 0 || k % 32) return "K = " + std::to_string(k) + " is not a positive multiple of 32 (TMA row stride)";
   if (n % 2) return "N = " + std::to_string(n) + " is odd (paired output stores)";
   if (cdiv(a_rows, kBM) * cdiv(n, kTN) >= (int64_t(1) << 31) || n > (int64_t(1) << 30))
     return "too many output tiles for one launch";
   return "";
+}
+
+}  // namespace
+
+int64_t nvfp4_wgmma_scale_bytes(int64_t rows, int64_t k) {
+  return (cdiv(k, kBK) * kSlots * rows4(rows) * 4 + 255) / 256 * 256;
 }
 
 std::string nvfp4_wgmma_gemm(const WgmmaOperand& a, const WgmmaOperand& b, int64_t n, int64_t k, const float* alpha,
