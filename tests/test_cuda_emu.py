@@ -71,7 +71,7 @@ def emu(tmp_path_factory):
     lib = ctypes.CDLL(str(lib_path))
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64  # harness.cc's signatures
     lib.emu_quantize.argtypes = [ptr, i32, i64, i64, i64, ptr, i32, ctypes.c_float, ptr, i32, i32, ptr, ptr, i32,
-                                 i32, ptr, ptr, ptr, i32, i32]
+                                 i32, ptr, ptr, ptr, i32, i32, ptr, i32]
     lib.emu_amax.argtypes = [ptr, i32, i64, i64, i64, i32, ptr, ptr, i32, i32]
     lib.emu_dequantize.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i64, i64, i64, i32, i32]
     lib.emu_dequant_mxfp8.argtypes = [ptr, ptr, i64, i64, i32, ptr, i32]
@@ -101,9 +101,10 @@ def _nbytes(fmt, opts, r, c):
     return P.nbytes(P.data_shape_dtype(fmt, opts, r, c)), P.nbytes(P.scale_shape_dtype(fmt, r, c))
 
 
-def _quantize(lib, x, row, col, scales, seed, variant, order, poison, eps=0.0):
+def _quantize(lib, x, row, col, scales, seed, variant, order, poison, eps=0.0, dy=None, act=0):
     """(error text, [row data, row scale, col data, col scale] bytes, amax [batch] float32) of one call;
-    variant -1: CPU code. scales [batch, 2] (one per copy) or [batch, 1] (shared)."""
+    variant -1: CPU code. scales [batch, 2] (one per copy) or [batch, 1] (shared). act, dy: the copies of that
+    activation's gradient, x being its input (P.quantize's act)."""
     batch, m, k = x.shape
     sizes = (*_nbytes(*row, m, k), *_nbytes(*col, k, m))
     outs = [np.full(max(batch * n, 1), poison, np.uint8) for n in sizes]
@@ -111,7 +112,8 @@ def _quantize(lib, x, row, col, scales, seed, variant, order, poison, eps=0.0):
     dtype_id = next(i for i, d in DTYPES.items() if np.dtype(d) == x.dtype)
     err = lib.emu_quantize(_ptr(x), dtype_id, batch, m, k, _ptr(scales), scales.shape[1], eps, _ptr(seed), row[0],
                            row[1], _ptr(outs[0]),
-                           _ptr(outs[1]), col[0], col[1], _ptr(outs[2]), _ptr(outs[3]), _ptr(amax), variant, order)
+                           _ptr(outs[1]), col[0], col[1], _ptr(outs[2]), _ptr(outs[3]), _ptr(amax), variant, order,
+                           None if dy is None else _ptr(dy), act)
     return err.decode(), [o[:batch * n] for o, n in zip(outs, sizes)], amax
 
 
@@ -265,6 +267,34 @@ def test_decoded_copies_hold_the_values_of_the_codes(emu, q, shape):
             assert err == "", err
             for i, (g, w) in enumerate(zip(got, want)):
                 assert np.array_equal(g, w), (q.label, shape, dtype_id, variant, order, poison, i)
+
+
+@pytest.mark.parametrize("act", [P.ACT_SILU | P.GATED, P.ACT_GELU, P.ACT_RELU | P.GATED], ids=["swiglu", "gelu",
+                                                                                           "reglu"])
+@pytest.mark.parametrize("fmt", [(P.MXFP8, P.OPT_DECODED), (P.FP8_BLOCK_1x128, 0), (P.FP8_BLOCK_128x128, 0),
+                                 (P.FP8_TENSOR, P.OPT_E5M2)], ids=["mxfp8_dec", "block1x128", "block128", "e5m2"])
+def test_activation_gradient_copies_match_cpu_code(emu, act, fmt):
+    """The register-tile kernel's copies of an activation's gradient, made in its loads from h and dy, equal the
+    CPU code's, which writes the gradient and then quantizes it (on the emulator both compute the gradient in the
+    CPU's float32), with the amax output; outputs poisoned first. Shapes: gated halves of whole tiles (a gate and
+    its up tile per CTA), the same with a partial row tile, halves of 100 columns (a tile per CTA, no vector loads;
+    the plain activation: partial column tiles)."""
+    gated = bool(act & P.GATED)
+    for m, k in ((256, 512), (136, 256), (40, 200)):
+        rng = np.random.default_rng(next(_seed))
+        h = (3 * rng.standard_normal((1, m, k))).astype(ml_dtypes.bfloat16)
+        dy = rng.standard_normal((1, m, k // 2 if gated else k)).astype(ml_dtypes.bfloat16)
+        scales = np.array([[0.75, 2.0]], np.float32)
+        seed = np.array([[1, 2, 0, 0, m, k]], np.uint32)
+        err, want, want_amax = _quantize(emu, h, fmt, fmt, scales, seed, -1, 0, 0, dy=dy, act=act)
+        assert err == ""
+        for order, poison in itertools.product(ORDERS, POISONS):
+            err, got, got_amax = _quantize(emu, h, fmt, fmt, scales, seed, 2, order, poison, dy=dy, act=act)
+            assert err == "", err
+            np.testing.assert_array_equal(got_amax, want_amax)
+            for i, (g, w) in enumerate(zip(got, want)):
+                bad = _differ(g, w, *fmt, is_data=i % 2 == 0)
+                assert bad.size == 0, (act, fmt, (m, k), order, poison, i, bad[:5])
 
 
 @pytest.mark.parametrize("offsets", [(5, 3), (54366627, 7)], ids=["odd", "pair-index-crosses-2^32"])

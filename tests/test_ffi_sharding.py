@@ -1,8 +1,8 @@
 """Sharded quantize through custom_partitioning: on a 2x2 CPU mesh each shard is quantized in place (no
 all-gather in the compiled program), outputs keep x's sharding (columnwise copies transposed) and equal the
 unsharded call bit for bit, also where a sharding would split blocks (that axis is gathered) and where one
-shard holds a NaN (the per-tensor amax is NaN everywhere), delayed scaling's kernel amax included. Runs in a
-subprocess so that it can ask for 4 CPU devices."""
+shard holds a NaN (the per-tensor amax is NaN everywhere), delayed scaling's kernel amax included, and an
+activation's gradient quantized from h and dy. Runs in a subprocess so that it can ask for 4 CPU devices."""
 from __future__ import annotations
 
 import os
@@ -75,6 +75,19 @@ SCRIPT = textwrap.dedent('''
         assert bool(np.isnan(np.asarray(got["rowwise"].amax))) == bool(np.isnan(np.asarray(x)).any())
         hlo = f.lower(xs, st).compile().as_text()
         assert "all-gather" not in hlo and "jaxhq_amax" not in hlo
+    # an activation's gradient quantized from h and dy: rows sharded stay sharded (nothing gathered), a sharded
+    # last axis is gathered (the gated halves), and the copies equal the unsharded launch's
+    from jaxhq.ffi import primitives as FP
+    act = FP.ACT_SILU | FP.GATED
+    h = random_input(jax.random.key(8), (256, 512), jnp.bfloat16)
+    dy = random_input(jax.random.key(9), (256, 256), jnp.bfloat16)
+    want = quantize_copies(h, MXFP8(), platform="cpu", act_grad=(dy, act))
+    f = jax.jit(lambda h, dy: quantize_copies(h, MXFP8(), platform="cpu", act_grad=(dy, act)))
+    for spec in (jax.P("a", None), jax.P("a", "b")):
+        hs, dys = (jax.device_put(t, jax.NamedSharding(mesh, spec)) for t in (h, dy))
+        assert compare(f(hs, dys), want, "act_grad") == [], spec
+        if spec == jax.P("a", None):
+            assert "all-gather" not in f.lower(hs, dys).compile().as_text()
     print("OK")
 ''')
 

@@ -51,7 +51,7 @@ def _side_state(q, state, axis):
 
 def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=None,
                     platform: Optional[str] = None, poison: bool = False, sides=None,
-                    transposed: bool = False, cast_to=None, decoded=()) -> Optional[dict]:
+                    transposed: bool = False, cast_to=None, decoded=(), act_grad=None) -> Optional[dict]:
     """{axis: Storage} for each axis in `usage` (rowwise [M, K], columnwise [K, M]) of x2d [M, K], bit-equal
     to `side(quantizer, axis).quantize_2d`, or None when the kernels do not apply here.
 
@@ -72,6 +72,10 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     sides: the axes the kernel makes (default: every one it covers); the others are made by the reference.
     decoded: the axes whose MXFP8 / NVFP4 copy is written as its values (bf16, `Storage.decoded`) instead of its
     codes, for a GEMM that would dequantize it first (the Hopper path of jaxhq.ffi.gemm.blockscaled_gemm).
+    act_grad: (dy, act): the copies are of an activation's input gradient, x2d being the activation's input h
+    (P.quantize's `act`): made in one launch from h and dy where the kernels take them (no per-tensor amax needed
+    first, every side a kernel format; on the GPU one FP8 per-tensor, MXFP8 or blockwise format on both sides,
+    act_grad_on_gpu), else None.
     """
     if load() is None or x2d.ndim != 2:
         return None
@@ -89,6 +93,10 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
                 if a in decoded and v is not None and v[0] in (P.MXFP8, P.NVFP4)})
     for a in usage:
         side(quantizer, a).check_shape(*((m, k) if a == ROWWISE else (k, m)), a)
+    if act_grad is not None and (transposed or cast_to is not None or any(v is None for v in ids.values()) or
+                                 x2d.dtype != jnp.bfloat16 or act_grad[0].dtype != jnp.bfloat16 or
+                                 (platform == "cuda" and not act_grad_on_gpu(ids, usage))):
+        return None
 
     # Per-tensor amaxes. FP8 current scaling and NVFP4 need theirs before quantizing (the RHT side the
     # transformed one); delayed scaling's scale is known beforehand, so its amax (for the history) comes out of
@@ -96,6 +104,8 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     delayed = {a for a, v in ids.items() if v is not None and isinstance(side(quantizer, a), Float8DelayedScaling)}
     need_amax = any(v is not None and v[0] in (P.FP8_TENSOR, P.NVFP4) and a not in delayed for a, v in ids.items())
     need_rht = any(v is not None and v[0] == P.NVFP4 and v[1] & P.OPT_RHT for v in ids.values())
+    if act_grad is not None and need_amax and amax is None:  # the amax kernels read x itself
+        return None
     if bf16_in and amax is None and need_amax:  # XLA's cast carries the amax pass (its fusion or the amax kernel)
         x2d, bf16_in = x2d.astype(jnp.bfloat16), False
     if need_rht and transposed:  # the amax kernel transforms columns of what it reads: give it the tensor
@@ -158,12 +168,13 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     if bf16_in:  # both copies of the launch read x2d as bf16
         row, col = ((f, o | P.OPT_BF16_INPUT) if f != P.NONE else (f, o) for f, o in (row, col))
     want_amax = bool(delayed) and amax_plain is None
+    dy, act = act_grad if act_grad is not None else (None, 0)
     eps = eps or 0.0
     if poison:  # tests: the unpartitioned call that writes into poisoned buffers
         rd, rs, cd, cs, kamax = P.quantize(x2d, scales, seed, row, col, poison=True, want_amax=want_amax,
-                                           amax_eps=eps)
+                                           amax_eps=eps, dy=dy, act=act)
     else:  # sharding-aware: each shard quantized where it lives
-        outs = iter(PT.quantize(x2d, scales, seed, row, col, want_amax=want_amax, amax_eps=eps))
+        outs = iter(PT.quantize(x2d, scales, seed, row, col, want_amax=want_amax, amax_eps=eps, dy=dy, act=act))
         rd, rs = (next(outs), next(outs)) if row[0] else (None, None)
         cd, cs = (next(outs), next(outs)) if col[0] else (None, None)
         kamax = next(outs) if want_amax else None
@@ -186,6 +197,13 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
         out[a] = Storage(data=data, scale_inv=sc, amax=amaxes.get(a), quantizer=q, axis=a, shape=shape,
                          decoded=bool(v[1] & P.OPT_DECODED))
     return out
+
+
+def act_grad_on_gpu(ids: dict, usage) -> bool:
+    """Whether the GPU kernel makes these copies of an activation's gradient: both copies, in one FP8 per-tensor,
+    MXFP8 or FP8 blockwise format (the register-tile kernel's formats)."""
+    fmts = {ids.get(a, (P.NONE, 0))[0] for a in USAGES}
+    return len(fmts) == 1 and fmts <= {P.FP8_TENSOR, P.MXFP8, P.FP8_BLOCK_1x128, P.FP8_BLOCK_128x128}
 
 
 def dequantize_storage(s: Storage, platform: Optional[str] = None):

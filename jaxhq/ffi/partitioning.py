@@ -71,10 +71,13 @@ def _out_dims(fmt: int, opts: int, rows_f: str, cols_f: str, rows_n: int, cols_n
     return data, f"{s_rows} {s_cols}"
 
 
-def _rule(row, col, m: int, k: int, nbatch: int = 0, want_amax: bool = False):
+def _rule(row, col, m: int, k: int, nbatch: int = 0, want_amax: bool = False, act: int = 0):
     gm, gk = granularity(row, col)
     sizes, repl = {}, []
     def axis(name, n, g):
+        if name == "k" and act:  # an activation's gradient: h and dy keep their last axis whole
+            repl.append(name)
+            return "_" + name, name
         if g > 1 and n % g == 0 and n > g:
             sizes[name + "g"] = g
             return name, f"({name} {name}g)"
@@ -95,7 +98,11 @@ def _rule(row, col, m: int, k: int, nbatch: int = 0, want_amax: bool = False):
     # fresh factors of unblockable axes: plain names
     fix = lambda e: " ".join(t.lstrip("_") if t.startswith("_") else t for t in e.split(" "))  # noqa: E731
     results = [(lead + fix(o)).strip() for o in outs] + ([lead.strip()] if want_amax else [])  # amax: per batch
-    rule = f"{lead}{mx} {kx}, {lead}s, {lead}t -> " + ", ".join(results)
+    dy = ""
+    if act:  # dy [M, K] (gated: [M, K / 2], a factor of its own, whole too)
+        dy = f"{lead}{mx} {'kh' if act & P.GATED else kx}, "
+        repl += ["kh"] if act & P.GATED else []
+    rule = f"{lead}{mx} {kx}, {dy}{lead}s, {lead}t -> " + ", ".join(results)
     # a factor used only inside compound factors needs its size spelled out
     import re
     bare = re.sub(r"\([^)]*\)", " ", rule).replace(",", " ").replace("->", " ").split()
@@ -109,8 +116,10 @@ def _present(outs):
     return tuple(o for o in outs if o is not None)
 
 
-def _local_quantize(row, col, x, scales, seed, want_amax=False, amax_eps=0.0):
-    return _present(P.quantize(x, scales, seed, row, col, want_amax=want_amax, amax_eps=amax_eps))
+def _local_quantize(row, col, x, *rest, want_amax=False, amax_eps=0.0, act=0):
+    """P.quantize of (x, scales, seed), or with `act` of (h, dy, scales, seed)."""
+    dy, scales, seed = rest if act else (None, *rest)
+    return _present(P.quantize(x, scales, seed, row, col, want_amax=want_amax, amax_eps=amax_eps, dy=dy, act=act))
 
 
 def _specs(row, col, m_axes, k_axes, lead=(), want_amax=False):
@@ -148,23 +157,24 @@ def _split_spec(spec, nbatch: int) -> tuple:
     return spec[:nbatch], spec[nbatch], spec[nbatch + 1]
 
 
-def quantize(x, scales, seed, row, col, want_amax: bool = False, amax_eps: float = 0.0):
+def quantize(x, scales, seed, row, col, want_amax: bool = False, amax_eps: float = 0.0, dy=None, act: int = 0):
     """P.quantize for x [..., M, K] under jit with a mesh: each shard quantized in place (leading batch dims,
     from vmap, may be sharded too); returns the present outputs (row_data, row_scale?, col_data, col_scale?,
-    amax?); the amax is the max over every shard, as unsharded."""
-    make = lambda nb: _quantize_fn(x.shape[-2:], row, col, nb, want_amax, amax_eps)  # noqa: E731
-    return _batched(make, x.ndim - 2)(x, scales, seed)
+    amax?); the amax is the max over every shard, as unsharded. With `act` (and dy): the copies of an
+    activation's gradient (P.quantize), sharded along M only."""
+    make = lambda nb: _quantize_fn(x.shape[-2:], row, col, nb, want_amax, amax_eps, act)  # noqa: E731
+    return _batched(make, x.ndim - 2)(x, *(() if dy is None else (dy,)), scales, seed)
 
 
-def _quantize_fn(shape, row, col, nbatch: int, want_amax: bool = False, amax_eps: float = 0.0):
-    """The custom_partitioning quantize of x [b_1..b_nbatch, M, K]."""
+def _quantize_fn(shape, row, col, nbatch: int, want_amax: bool = False, amax_eps: float = 0.0, act: int = 0):
+    """The custom_partitioning quantize of x [b_1..b_nbatch, M, K] (with `act`: of h and dy)."""
     m, k = shape
-    rule, sizes, repl = _rule(row, col, m, k, nbatch, want_amax)
+    rule, sizes, repl = _rule(row, col, m, k, nbatch, want_amax, act)
     gm, gk = granularity(row, col)
 
     @partial(custom_partitioning)
-    def f(x, scales, seed):
-        return _local_quantize(row, col, x, scales, seed, want_amax, amax_eps)
+    def f(x, *rest):
+        return _local_quantize(row, col, x, *rest, want_amax=want_amax, amax_eps=amax_eps, act=act)
 
     def axes_of(mesh, spec):
         """The mesh axes x keeps: an axis of M or K whose shards would split blocks (or that is not a whole
@@ -172,7 +182,7 @@ def _quantize_fn(shape, row, col, nbatch: int, want_amax: bool = False, amax_eps
         lead, m_axes, k_axes = _split_spec(spec, nbatch)
         if m % gm or (m // _mesh_size(mesh, m_axes)) % gm:
             m_axes = None
-        if k % gk or (k // _mesh_size(mesh, k_axes)) % gk:
+        if act or k % gk or (k // _mesh_size(mesh, k_axes)) % gk:
             k_axes = None
         return lead, m_axes, k_axes
 
@@ -181,13 +191,14 @@ def _quantize_fn(shape, row, col, nbatch: int, want_amax: bool = False, amax_eps
         outs = tuple(NamedSharding(mesh, s) for s in _specs(row, col, m_axes, k_axes, lead, want_amax))
         per_batch = NamedSharding(mesh, PS(*lead, None))
         split = tuple(a for s in (m_axes, k_axes) if s is not None for a in (s if isinstance(s, tuple) else (s,)))
-        args = (NamedSharding(mesh, PS(*lead, m_axes, k_axes)), per_batch, per_batch)
+        args = (NamedSharding(mesh, PS(*lead, m_axes, k_axes)),) * (2 if act else 1) + (per_batch, per_batch)
 
-        def lower(x, scales, seed):  # this shard's offsets in x, so stochastic rounding draws global positions
+        def lower(x, *rest):  # this shard's offsets in x, so stochastic rounding draws global positions
+            *dy, scales, seed = rest
             lm, lk = x.shape[-2:]
             offsets = jnp.stack([_shard_index(mesh, m_axes) * lm, _shard_index(mesh, k_axes) * lk])
             seed = seed.at[..., 2:4].set(offsets.astype(jnp.uint32))
-            res = _local_quantize(row, col, x, scales, seed, want_amax, amax_eps)
+            res = _local_quantize(row, col, x, *dy, scales, seed, want_amax=want_amax, amax_eps=amax_eps, act=act)
             if want_amax and split:
                 res = res[:-1] + (pmax_nan(res[-1], split),)
             return res

@@ -2,13 +2,15 @@
 
 Targets (one handler each on "cpu" and "CUDA"):
   jaxhq_amax(x[..., M, K]) -> (amax[...], amax_rht[...])          per-tensor max |x| (and of RHT(x.T) when rht)
-  jaxhq_quantize(x[..., M, K], scales[..., 2], seed[..., 6])
+  jaxhq_quantize(x[..., M, K], dy, scales[..., 2], seed[..., 6])
       -> (row_data, row_scale, col_data, col_scale, amax)          any rowwise format with any columnwise
                                                                     format, one read of x; amax [...] (or
                                                                     empty, not asked for) is max |x| of
                                                                     that same read; OPT_BF16_INPUT on both
                                                                     copies: float32 x read as x.astype(bf16)
+      with act: x is an activation's input and dy its output's gradient; the copies are of its input's gradient
   jaxhq_dequantize(data, scale, scalar[...]) -> float32[..., R, C]
+  jaxhq_act_grad(h[..., M, K], dy[..., M, K or K / 2]) -> bfloat16[..., M, K]   an activation's input gradient
 Formats and option bits are the enums of csrc/numerics.h (FORMAT_IDS, OPT_* here).
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ from . import registered_targets
 
 NONE, FP8_TENSOR, MXFP8, NVFP4, FP8_BLOCK_1x128, FP8_BLOCK_128x128 = range(6)
 OPT_E5M2, OPT_POW2, OPT_BLOCK2D, OPT_RHT, OPT_SR, OPT_FROM_AMAX, OPT_BF16_INPUT, OPT_DECODED = 1, 2, 4, 8, 16, 32, 64, 128
+ACT_GELU, ACT_SILU, ACT_RELU, GATED = 1, 2, 3, 16  # activation ids of csrc/activation.h (quantize's `act`)
 _EMPTY = jax.ShapeDtypeStruct((0,), jnp.uint8)
 
 
@@ -92,7 +95,7 @@ def seed_words(key_words, m: int, k: int, m0=0, k0=0):
 
 
 def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False, want_amax: bool = False,
-             amax_eps: float = 0.0):
+             amax_eps: float = 0.0, dy=None, act: int = 0):
     """Both copies of x [..., M, K] in one read: (row_data, row_scale, col_data, col_scale, amax).
 
     scales [..., 2] float32 (or [..., 1], one for both copies): the per-tensor scale (FP8; with OPT_FROM_AMAX
@@ -105,6 +108,10 @@ def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False
     want_amax: also max |x| per batch element (float32 [...]) from the values the copies read, so a format
     whose scale is known beforehand (delayed scaling) needs no separate amax pass. It is NaN when any element
     is NaN, with an unspecified NaN pattern (`formats.base.canonical_nan` makes it abs_max's).
+    act (with dy): the copies are of an activation's gradient instead of x's: x is the activation's input h and dy
+    the gradient of its output, both bfloat16 (dy [..., M, K], gated: [..., M, K / 2]); act is an id of
+    ACT_* here (| GATED). Each element is the gradient rounded to bfloat16 (csrc/activation.h),
+    quantized as x would be; it is never written.
     """
     registered_targets()
     *batch, m, k = x.shape
@@ -116,14 +123,23 @@ def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False
     outs += (jax.ShapeDtypeStruct(batch, jnp.float32) if want_amax else _EMPTY,)
     attrs = dict(row_fmt=np.int32(rf), row_opts=np.int32(ro), col_fmt=np.int32(cf), col_opts=np.int32(co),
                  amax_eps=np.float32(amax_eps))
-    args = (x, scales.astype(jnp.float32), seed.astype(jnp.uint32))
+    attrs["act"] = np.int32(act)
+    args = (x, jnp.zeros((0,), jnp.bfloat16) if dy is None else dy, scales.astype(jnp.float32), seed.astype(jnp.uint32))
     if poison:
         call = jax.ffi.ffi_call("jaxhq_quantize_into", outs, vmap_method="broadcast_all",
-                                input_output_aliases={3: 0, 4: 1, 5: 2, 6: 3})
+                                input_output_aliases={4: 0, 5: 1, 6: 2, 7: 3})
         res = call(*args, *(poison_like(o) for o in outs[:4]), **attrs)
     else:
         res = jax.ffi.ffi_call("jaxhq_quantize", outs, vmap_method="broadcast_all")(*args, **attrs)
     return tuple(None if o is _EMPTY else r for o, r in zip(outs, res))
+
+
+def act_grad(h, dy, act: int):
+    """The gradient of activation `act` (ACT_* | GATED) at h given its output's gradient dy, bfloat16 of h's
+    shape: what quantize(h, ..., dy=dy, act=act) makes its copies of (csrc/activation.h)."""
+    registered_targets()
+    out = jax.ShapeDtypeStruct(h.shape, jnp.bfloat16)
+    return jax.ffi.ffi_call("jaxhq_act_grad", out, vmap_method="broadcast_all")(h, dy, act=np.int32(act))
 
 
 def dequantize(data, scale, scalar, fmt: int, opts: int, shape):

@@ -6,8 +6,9 @@ from .hybrid import Hybrid, side
 from .identity import Identity
 from .mxfp8 import MXFP8
 from .nvfp4 import NVFP4
-from .quantize import dequantize, fake_quantize, init_state, normalize, quantize, update_state
+from .quantize import ActivationGrad, dequantize, fake_quantize, init_state, normalize, quantize, update_state
 
 __all__ = ["COLUMNWISE", "ROWWISE", "USAGES", "QTensor", "QuantizationError", "Quantizer", "Storage",
            "Float8CurrentScaling", "Float8DelayedScaling", "Float8Block", "Hybrid", "Identity", "MXFP8", "NVFP4",
-           "dequantize", "fake_quantize", "init_state", "normalize", "quantize", "update_state", "side"]
+           "ActivationGrad", "dequantize", "fake_quantize", "init_state", "normalize", "quantize", "update_state",
+           "side"]

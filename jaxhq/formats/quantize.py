@@ -6,8 +6,9 @@ gradient is the identity. Training gets its gradients from the dense op's custom
 """
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,31 @@ from .base import COLUMNWISE, ROWWISE, USAGES, QTensor, QuantizationError, Quant
 from .hybrid import Hybrid, side
 
 Usage = Union[str, Iterable[str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationGrad:
+    """The gradient of an activation's input, as `quantize` takes it: from the activation's input h and the
+    gradient dy of its output. Where a kernel takes the pair (jaxhq.ffi.dispatch.quantize_copies' act_grad), the
+    copies are made in that one launch and the gradient is never written; elsewhere `grad()` computes it and it is
+    quantized as any tensor. act: the kernels' activation id (jaxhq.ffi.primitives ACT_* | GATED)."""
+    h: Any
+    dy: Any
+    act: int
+    grad: Callable[[], Any]
+
+    @property
+    def shape(self):
+        return self.h.shape
+
+    @property
+    def dtype(self):
+        return self.h.dtype
+
+    @property
+    def ndim(self):
+        return self.h.ndim
+
 
 
 def normalize(quantizer: Quantizer) -> Quantizer:
@@ -88,8 +114,12 @@ def kernel_platforms() -> tuple:
 # jaxhq_amax kernel, or XLA's reduction, which it fuses into the op that produces x (the transformed amax of the
 # Hadamard side always comes from the kernel, in the same pass as the plain one). XLA's won: fp8_current step
 # 37.1 against 38.6 ms, nvfp4 68.4 against 68.7 ms.
+# "act_grad": an activation's input gradient (ActivationGrad) quantized by the kernel from h and dy ("kernel",
+# where one takes them) or computed by XLA first and then quantized ("xla"). XLA's won in the step: the launch is
+# 1.04-1.20x faster than XLA's gradient plus the quantize kernel at fc1's shape, but the H100-preset step did not
+# move (mxfp8 49.4 against 48.1 ms, fp8_block 37.7 / 37.5, fp8_delayed 32.9 / 32.6; docs/ffi.md).
 DEFAULT_PATHS = {"fp8": "kernel", "fp8_delayed": "kernel", "mxfp8": "kernel", "nvfp4": "kernel",
-                 "fp8_block": "kernel", "amax": "xla"}
+                 "fp8_block": "kernel", "amax": "xla", "act_grad": "xla"}
 
 
 def quantize_paths() -> dict:
@@ -152,8 +182,28 @@ def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=
     usage = normalize_usage(usage)
     decoded = normalize_usage(decoded) if decoded else ()
     q = normalize(quantizer)
+    if isinstance(x, ActivationGrad):
+        if transposed or cast_to is not None:
+            raise QuantizationError("an activation's gradient is quantized as it is (no transpose or cast)")
+        if quantize_paths()["act_grad"] == "kernel":
+            with jax.named_scope(QUANTIZE_SCOPE):
+                qt = _activation_grad_copies(x, q, usage, key, state, amax, decoded)
+            if qt is not None:
+                return qt
+        x = x.grad()  # the derivative itself is not quantization (outside the scope profiles count as such)
     with jax.named_scope(QUANTIZE_SCOPE):  # profiles attribute these ops to quantization
         return _quantize(x, q, usage, key, state, amax, transposed, cast_to, decoded)
+
+
+def _activation_grad_copies(g: ActivationGrad, q, usage, key, state, amax, decoded) -> Optional[QTensor]:
+    """The copies of g made by one kernel launch from h and dy, or None where no kernel takes them."""
+    h2d = jax.lax.stop_gradient(g.h).reshape(-1, g.h.shape[-1])
+    dy2d = jax.lax.stop_gradient(g.dy).reshape(-1, g.dy.shape[-1])
+    copies = _kernel_copies(h2d, q, usage, key=key, state=state, amax=amax, decoded=decoded, act_grad=(dy2d, g.act))
+    if copies is None:
+        return None
+    return QTensor(rowwise=copies.get(ROWWISE), columnwise=copies.get(COLUMNWISE), shape=tuple(g.shape),
+                   dtype=jnp.dtype(g.dtype))
 
 
 QUANTIZE_SCOPE = "jaxhq_quantize"
@@ -202,4 +252,4 @@ def fake_quantize(x, quantizer: Quantizer, axis: str = ROWWISE, **kw):
 
 
 __all__ = ["quantize", "dequantize", "fake_quantize", "init_state", "update_state", "normalize",
-           "QuantizationError"]
+           "QuantizationError", "ActivationGrad"]

@@ -33,9 +33,9 @@ def _weight_sharding(kernel_axes, path):
 
 def quantized_dense(m: nn.Module, x, kernel, bias, *, recipe: CustomRecipe, path: str, kernel_axes=None,
                     output_role: Optional[QuantizerRole] = None, grad_input_role: Optional[QuantizerRole] = None,
-                    module_type: str = "linear"):
+                    module_type: str = "linear", activation: Optional[str] = None):
     """`x @ kernel + bias` through `jaxhq.ops.dense` with the roles of `path`, from inside module `m` (which
-    owns the delayed-scaling state and the "quant" rng). kernel is 2D [in, out]."""
+    owns the delayed-scaling state and the "quant" rng), then `activation` if given. kernel is 2D [in, out]."""
     introspect.record(path, dense_slots(path, output_role, grad_input_role, module_type))
     qs = recipe.dense_quantizers(path, module_type)
     rows = math.prod(x.shape[:-1])
@@ -46,13 +46,16 @@ def quantized_dense(m: nn.Module, x, kernel, bias, *, recipe: CustomRecipe, path
     if wsh is not None:
         kw["weight_sharding"] = wsh
     y, new = ops.dense(x, kernel, bias, quantizers=qs, states=state.values(svars), key=quant_key(m),
-                       return_state=True, **kw)
+                       return_state=True, activation=activation, **kw)
     state.write_forward(m, svars, new)
     return y
 
 
 class Dense(nn.Module):
-    """`y = x @ kernel + bias` over the last axis, quantized per the recipe's roles for this module's path."""
+    """`y = x @ kernel + bias` over the last axis, quantized per the recipe's roles for this module's path.
+
+    activation: an activation of jaxhq.ops.activation.ACTIVATIONS applied to y (a gated one halves the features);
+    the backward then quantizes y's gradient without writing it (see `jaxhq.ops.dense`)."""
 
     features: int
     recipe: CustomRecipe
@@ -64,6 +67,7 @@ class Dense(nn.Module):
     bias_init: Any = nn.initializers.zeros
     output_role: Optional[QuantizerRole] = None
     grad_input_role: Optional[QuantizerRole] = None
+    activation: Optional[str] = None
 
     @nn.compact
     def __call__(self, x):
@@ -79,7 +83,7 @@ class Dense(nn.Module):
         x, kernel, bias = promote_dense(self.dtype, x, kernel, bias)
         return quantized_dense(self, x, kernel, bias, recipe=self.recipe, path=module_path(self, module_type),
                                kernel_axes=self.kernel_axes, output_role=self.output_role,
-                               grad_input_role=self.grad_input_role)
+                               grad_input_role=self.grad_input_role, activation=self.activation)
 
 
 def _axes_tuple(axis, ndim):

@@ -1,5 +1,8 @@
 """LayerNormMLP: norm -> fc1 -> activation (gelu, silu, or gated swiglu/geglu) -> fc2, both GEMMs quantized.
 
+The activation is fc1's (`Dense(activation=...)`): fc1's backward quantizes its output gradient from the
+activation's input and gradient, without writing that gradient where a kernel takes them (jaxhq.ops.activation).
+
 fc1 and fc2 are jaxhq Dense modules ("<path>.fc1", "<path>.fc2"). The fc1-output/fc2-input boundary is the
 fc2 `input` role, used once: fc1's output slot is wired to it and fc2 quantizes the activation; the same for
 the gradient (fc2's grad-input boundary is fc1's grad_output role). Gated activations double fc1's width
@@ -10,31 +13,14 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
+from ..ops.activation import ACTIVATIONS, is_gated
 from ..recipes import CustomRecipe
 from ..roles import QuantizerRole, gemm_roles
 from .common import child_path, make_norm
 from .dense import Dense, default_kernel_init
 
-ACTIVATIONS = {"gelu": (jax.nn.gelu, False), "silu": (jax.nn.silu, False), "relu": (jax.nn.relu, False),
-               "swiglu": (jax.nn.silu, True), "geglu": (jax.nn.gelu, True)}
-
-
-def activate(h, activation: str):
-    """Apply a (possibly gated) activation to fc1's output."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}; expected one of {tuple(ACTIVATIONS)}")
-    fn, gated = ACTIVATIONS[activation]
-    if not gated:
-        return fn(h)
-    a, b = jnp.split(h, 2, axis=-1)
-    return fn(a) * b
-
-
-def is_gated(activation: str) -> bool:
-    return ACTIVATIONS[activation][1]
 
 
 class LayerNormMLP(nn.Module):
@@ -62,7 +48,6 @@ class LayerNormMLP(nn.Module):
         common = dict(recipe=self.recipe, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
                       kernel_init=self.kernel_init)
         h = Dense(width, kernel_axes=("embed", "mlp"), output_role=fc2_roles["input"],
-                  grad_input_role=self.grad_input_role, name="fc1", **common)(h)
-        h = activate(h, self.activation)
+                  grad_input_role=self.grad_input_role, activation=self.activation, name="fc1", **common)(h)
         return Dense(x.shape[-1], kernel_axes=("mlp", "embed"), output_role=self.output_role,
                      grad_input_role=fc1_roles["grad_output"], name="fc2", **common)(h)

@@ -26,13 +26,13 @@ import jax.numpy as jnp
 from .. import ops
 from ..formats import QTensor, Storage, init_state, update_state
 from ..formats.base import abs_max
+from ..ops.activation import activate, is_gated
 from ..ops.grouped import DISPATCHES, expert_capacity, from_experts, to_experts
 from ..recipes import CustomRecipe
 from ..roles import dense_slots
 from . import introspect
 from .common import check_feature_shapes, make_norm, promote, quant_key
 from .dense import default_kernel_init
-from .mlp import activate, is_gated
 from .state import QUANT_STATE, SLOTS
 
 

@@ -13,6 +13,8 @@ and is returned in the kernel's.
 The forward saves only the columnwise copies (never x or w in high precision unless their slot is Identity);
 where the weight's columnwise copy is its decoded rowwise one read transposed (NVFP4 16x16 blocks on Hopper,
 `ops.gemm.shares_transposed_copy`), that is the copy saved.
+With `activation`, y = act(x @ w + b) and the backward's grad_output is the gradient of x @ w + b, quantized
+from the activation's input (kept from the forward) and dy (jaxhq.ops.activation).
 Delayed-scaling state: the input and weight states are updated by the forward (returned), the grad_output
 state through the gradient: the cotangent returned for `states["grad_output"]` is its new value.
 Sharding (FSDP): with `weight_sharding` (jaxhq.sharding.WeightSharding) the weight is quantized per shard and
@@ -37,6 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 from ..formats import COLUMNWISE, ROWWISE, QTensor, quantize, update_state
 from ..recipes import DenseQuantizers
 from ..sharding.sequence import sequence_plan
+from . import activation as act_
 from .gemm import decoded_copies, gemm, shares_transposed_copy
 
 SLOTS = ("input", "weight", "grad_output")
@@ -47,8 +50,11 @@ class _Meta(tuple):
     """Shapes and dtypes the backward needs, kept as static pytree data in the residuals."""
 
 
-def _check(x, kernel, bias, qs: DenseQuantizers):
+def _check(x, kernel, bias, qs: DenseQuantizers, activation=None):
     where = f" (module {qs.role('input').name})" if qs.roles else ""
+    if activation is not None and act_.is_gated(activation) and kernel.shape[-1] % 2:
+        raise ValueError(f"dense{where}: the gated activation {activation!r} halves the {kernel.shape[-1]} outputs "
+                         "of kernel of shape {tuple(kernel.shape)}: an even number is needed")
     if kernel.ndim != 2:
         raise ValueError(f"dense{where}: kernel must be 2D [in, out], got shape {tuple(kernel.shape)}")
     if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
@@ -78,6 +84,7 @@ def _new_state(qs, slot, state, qt):
 
 
 def _forward(x, kernel, bias, states, key, qs: DenseQuantizers, usage_x, usage_w, wsh=None, sp=None):
+    """(y, new states, the input's and the weight's QTensors); y before any activation."""
     gathered = sp is not None and sp.gathers("input")
     x2d = sp.tokens(x) if gathered else x.reshape(-1, x.shape[-1])
     kx, kw, _ = _keys(key)
@@ -114,18 +121,21 @@ def _forward(x, kernel, bias, states, key, qs: DenseQuantizers, usage_x, usage_w
     return y, new, qx, qw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _dense(x, kernel, bias, states, key, qs, wsh, sp):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _dense(x, kernel, bias, states, key, qs, wsh, sp, activation):
     y, new, _, _ = _forward(x, kernel, bias, states, key, qs, (ROWWISE,), (ROWWISE,), wsh, sp)
-    return y, new
+    return (y if activation is None else act_.activate(y, activation)), new
 
 
 QUANTIZED_RESIDUAL = "jaxhq_quantized_residual"  # the checkpoint name of the copies the backward GEMMs read
 
 
-def _dense_fwd(x, kernel, bias, states, key, qs, wsh, sp):
+def _dense_fwd(x, kernel, bias, states, key, qs, wsh, sp, activation):
     y, new, qx, qw = _forward(x, kernel, bias, states, key, qs, (ROWWISE, COLUMNWISE), (ROWWISE, COLUMNWISE),
                               wsh, sp)
+    h = None  # with an activation: its input, for the backward (as JAX keeps it for an activation's derivative)
+    if activation is not None:
+        h, y = y, act_.activate(y, activation)
     saved_x = QTensor(columnwise=qx.columnwise, shape=qx.shape, dtype=qx.dtype)
     w_col = qw.columnwise  # saved sharded like the kernel (FSDP frees the gathered copy) ...
     if wsh is not None and not wsh.reshard_after_forward:
@@ -134,15 +144,23 @@ def _dense_fwd(x, kernel, bias, states, key, qs, wsh, sp):
     # Named so that a remat policy can keep exactly these (the quantized copies) and recompute the rest.
     saved_x, saved_w = jax.tree.map(lambda v: checkpoint_name(v, QUANTIZED_RESIDUAL), (saved_x, saved_w))
     meta = _Meta((x.shape, x.dtype, kernel.dtype, None if bias is None else bias.dtype))
-    return (y, new), (saved_x, saved_w, states, key, meta)
+    return (y, new), (saved_x, saved_w, h, states, key, meta)
 
 
-def _dense_bwd(qs, wsh, sp, res, cts):
-    saved_x, saved_w, states_in, key, (x_shape, x_dtype, k_dtype, b_dtype) = res
+def _dense_bwd(qs, wsh, sp, activation, res, cts):
+    saved_x, saved_w, h, states_in, key, (x_shape, x_dtype, k_dtype, b_dtype) = res
     dy_state = states_in.get("grad_output")
     dy = cts[0]
     gathered = sp is not None and sp.gathers("grad_output")
-    dy2d = sp.tokens(dy) if gathered else dy.reshape(-1, dy.shape[-1])
+    # With an activation, the GEMM output's gradient is quantized from h and dy where a kernel takes them, unless it
+    # is needed itself (the bias) or the op is sharded (its copies then travel or are made per shard).
+    from_h = activation is not None and b_dtype is None and wsh is None and sp is None
+    if activation is not None and not from_h:
+        dy = act_.input_grad(h, dy, activation).grad()
+    if from_h:
+        dy2d = act_.input_grad(h.reshape(-1, h.shape[-1]), dy.reshape(-1, dy.shape[-1]), activation)
+    else:
+        dy2d = sp.tokens(dy) if gathered else dy.reshape(-1, dy.shape[-1])
     _, _, kdy = _keys(key)
     both = (ROWWISE, COLUMNWISE)
     now = both if wsh is None and sp is None else ()  # both GEMMs read the gradient's copies at once
@@ -179,18 +197,24 @@ _dense.defvjp(_dense_fwd, _dense_bwd)
 
 
 def dense(x, kernel, bias=None, *, quantizers: DenseQuantizers, states: Optional[dict] = None, key=None,
-          return_state: bool = False, weight_sharding=None):
+          return_state: bool = False, weight_sharding=None, activation: Optional[str] = None):
     """Quantized `x @ kernel + bias` for x of any rank (leading dims are tokens), output in x's dtype.
 
     quantizers: one per slot (input, weight, grad_output). states: {slot: delayed-scaling state} for the
     stateful slots. key: jax.random key for stochastic rounding. With return_state, returns
     (y, {"input": .., "weight": ..}) where the forward-slot states are the next ones. weight_sharding: a
     jaxhq.sharding.WeightSharding (or None) for a kernel sharded on a mesh, see jaxhq.sharding.weight_sharding.
+    activation: a name of jaxhq.ops.activation.ACTIVATIONS applied to the result (gated: to its halves, so the
+    result has half the kernel's outputs). Without a bias or sharding, the backward quantizes the GEMM output's
+    gradient from the activation's input and its output's gradient (ops.activation): where a kernel takes them,
+    that gradient is never written.
     """
-    _check(x, kernel, bias, quantizers)
+    if activation is not None:
+        act_.check(activation)
+    _check(x, kernel, bias, quantizers, activation)
     if weight_sharding is not None:  # trace-time: no quantization block may straddle two shards
         weight_sharding.check(quantizers.weight, kernel.shape, role=quantizers.role("weight"))
     plan = sequence_plan(weight_sharding, x.shape, quantizers, kernel.shape[1])
     states = dict(states or {})
-    y, new = _dense(x, kernel, bias, states, key, quantizers, weight_sharding, plan)
+    y, new = _dense(x, kernel, bias, states, key, quantizers, weight_sharding, plan, activation)
     return (y, new) if return_state else y

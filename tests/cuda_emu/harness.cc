@@ -35,11 +35,12 @@ cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) {
 extern "C" {
 
 // variant < 0: the CPU handlers' quantize_cpu; else the kernel variant (jaxhq::QuantizeVariant). amax: the
-// optional amax output [batch] (null: not asked for); scales: per_batch (1 or 2) per batch element.
+// optional amax output [batch] (null: not asked for); scales: per_batch (1 or 2) per batch element; act, dy: the
+// copies of an activation's gradient (x is its input h), QuantizeArgs::act.
 const char* emu_quantize(const void* x, int dtype, int64_t batch, int64_t m, int64_t k, const float* scales,
                          int per_batch, float amax_eps, const uint32_t* seed, int row_fmt, int row_opts, void* rd,
                          void* rs, int col_fmt, int col_opts, void* cd, void* cs, float* amax, int variant,
-                         int order) {
+                         int order, const void* dy, int act) {
   jaxhq::QuantizeArgs a;
   a.x = x;
   a.dtype = dtype;
@@ -53,6 +54,8 @@ const char* emu_quantize(const void* x, int dtype, int64_t batch, int64_t m, int
   a.row = jaxhq::CopySpec{row_fmt, row_opts, rd, rs};
   a.col = jaxhq::CopySpec{col_fmt, col_opts, cd, cs};
   a.amax = amax;
+  a.dy = dy;  // act != 0: x is the activation's input h (spec.h)
+  a.act = act;
   if (variant < 0) {
     jaxhq::quantize_cpu(a);
     return status("");

@@ -4,6 +4,7 @@
 
 #include <vector>
 
+#include "activation.h"
 #include "numerics.h"
 
 namespace jaxhq {
@@ -158,7 +159,37 @@ float copy_scalar(const QuantizeArgs& a, const CopySpec& s, int64_t b, int side)
 
 }  // namespace
 
+void act_grad_cpu(const void* h, const void* dy, int32_t act, int64_t rows, int64_t k, uint16_t* out) {
+  const int32_t kind = act & ~kActGated;
+  const bool gated = act & kActGated;
+  const int64_t dk = gated ? k / 2 : k;  // dy's columns
+  const uint16_t* hb = static_cast<const uint16_t*>(h);
+  const uint16_t* db = static_cast<const uint16_t*>(dy);
+  const auto f = [](uint16_t v) { return bf16_bits_to_f32(v); };
+  for (int64_t row = 0; row < rows; ++row) {
+    const uint16_t* hr = hb + row * k;
+    const uint16_t* dr = db + row * dk;
+    for (int64_t c = 0; c < k; ++c) {
+      float g;
+      if (!gated) g = act_grad_plain(kind, f(hr[c]), f(dr[c]));
+      else if (c < dk) g = act_grad_gate(kind, f(hr[c]), f(hr[c + dk]), f(dr[c]));
+      else g = act_grad_up(kind, f(hr[c - dk]), f(dr[c - dk]));
+      out[row * k + c] = f32_to_bf16_bits(g);
+    }
+  }
+}
+
 void quantize_cpu(const QuantizeArgs& a) {
+  if (a.act) {  // the copies of the activation's gradient: made here, then quantized as any bfloat16 x
+    std::vector<uint16_t> x(size_t(a.batch * a.m * a.k));
+    act_grad_cpu(a.x, a.dy, a.act, a.batch * a.m, a.k, x.data());
+    QuantizeArgs b = a;
+    b.x = x.data();
+    b.dy = nullptr;
+    b.act = 0;
+    quantize_cpu(b);
+    return;
+  }
   const int64_t M = a.m, K = a.k;
   const int64_t esize = in_bytes(a.dtype);
   for (int64_t b = 0; b < a.batch; ++b) {

@@ -11,6 +11,14 @@
 
 #include "numerics.h"
 
+// A device function kept out of line (its callers hold one call, not a copy of its code); the CPU emulator
+// (tests/cuda_emu) compiles it as an ordinary function.
+#if defined(JAXHQ_EMU)
+#define JHQ_NOINLINE
+#else
+#define JHQ_NOINLINE __noinline__
+#endif
+
 namespace jaxhq {
 
 template <typename T> __device__ __forceinline__ float to_f32(T v);

@@ -22,13 +22,14 @@ static ffi::Error cuda_amax(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<f
                 "amax");
 }
 
-static ffi::Error cuda_quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales,
+static ffi::Error cuda_quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Buffer<ffi::F32> scales,
                                 ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> rd,
                                 ffi::Result<ffi::AnyBuffer> rs, ffi::Result<ffi::AnyBuffer> cd,
                                 ffi::Result<ffi::AnyBuffer> cs, ffi::Result<ffi::AnyBuffer> amax, int32_t row_fmt,
-                                int32_t row_opts, int32_t col_fmt, int32_t col_opts, float amax_eps) {
+                                int32_t row_opts, int32_t col_fmt, int32_t col_opts, float amax_eps,
+                               int32_t act) {
   QuantizeArgs a;
-  if (auto e = make_quantize_args(x, scales, seed, rd, rs, cd, cs, amax, row_fmt, row_opts, col_fmt, col_opts,
+  if (auto e = make_quantize_args(x, dy, act, scales, seed, rd, rs, cd, cs, amax, row_fmt, row_opts, col_fmt, col_opts,
                                   amax_eps, &a);
       e.failure())
     return e;
@@ -43,15 +44,25 @@ static ffi::Error cuda_dequantize(cudaStream_t stream, ffi::AnyBuffer data, ffi:
   return status(launch_dequantize(a, stream), "dequantize");
 }
 
-// The same quantize writing into buffers the caller provides (aliased inputs 3..6 = outputs 0..3; the
+// The same quantize writing into buffers the caller provides (aliased inputs 4..7 = outputs 0..3; the
 // amax output is not aliased): tests poison them first to prove every output element is written.
-static ffi::Error cuda_quantize_into(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::U32> seed,
+static ffi::Error cuda_quantize_into(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::U32> seed,
                                ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
                                ffi::Result<ffi::AnyBuffer> rd, ffi::Result<ffi::AnyBuffer> rs,
                                ffi::Result<ffi::AnyBuffer> cd, ffi::Result<ffi::AnyBuffer> cs,
                                ffi::Result<ffi::AnyBuffer> amax, int32_t row_fmt,
-                               int32_t row_opts, int32_t col_fmt, int32_t col_opts, float amax_eps) {
-  return cuda_quantize(stream, x, scales, seed, rd, rs, cd, cs, amax, row_fmt, row_opts, col_fmt, col_opts, amax_eps);
+                               int32_t row_opts, int32_t col_fmt, int32_t col_opts, float amax_eps,
+                               int32_t act) {
+  return cuda_quantize(stream, x, dy, scales, seed, rd, rs, cd, cs, amax, row_fmt, row_opts, col_fmt, col_opts, amax_eps, act);
+}
+
+static ffi::Error cuda_act_grad(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer dy,
+                                ffi::Result<ffi::AnyBuffer> out, int32_t act) {
+  QuantizeArgs a;
+  if (auto e = make_act_grad_args(h, dy, act, out, &a); e.failure()) return e;
+  return status(launch_act_grad(h.untyped_data(), dy.untyped_data(), act, a.batch * a.m, a.k,
+                                static_cast<uint16_t*>(out->untyped_data()), stream),
+                "act_grad");
 }
 
 static auto cuda_bind() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
@@ -64,3 +75,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_quantize, cuda_quantize, bind_quantize(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_quantize_into, cuda_quantize_into, bind_quantize_into(cuda_bind()),
                               JAXHQ_GRAPHABLE);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_dequantize, cuda_dequantize, bind_dequantize(cuda_bind()), JAXHQ_GRAPHABLE);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_act_grad, cuda_act_grad, bind_act_grad(cuda_bind()), JAXHQ_GRAPHABLE);

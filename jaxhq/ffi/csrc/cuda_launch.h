@@ -14,4 +14,6 @@ std::string launch_quantize(const QuantizeArgs& a, void* stream);  // the varian
 enum QuantizeVariant : int { kAlternatingLoad = 0, kRegisterTile = 2 };
 std::string launch_quantize(const QuantizeArgs& a, void* stream, int variant);
 std::string launch_dequantize(const DequantizeArgs& a, void* stream);
+std::string launch_act_grad(const void* h, const void* dy, int32_t act, int64_t rows, int64_t k, uint16_t* out,
+                            void* stream);  // act_grad_cpu's result on the GPU (activation.h: its numerics there)
 }  // namespace jaxhq

@@ -359,6 +359,13 @@ std::string launch_quantize(const QuantizeArgs& a, void* stream, int variant) {
   const Params p = make_params(a);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (a.amax) cudaMemsetAsync(a.amax, 0, sizeof(float) * a.batch, s);
+  if (a.act) {  // the activation's gradient: made in the register-tile kernel's loads, never written
+    if (!act_grad_takes(a))
+      return "the activation gradient's copies are made on the GPU for one FP8 per-tensor, MXFP8 or FP8 blockwise "
+             "format on both sides (rowwise " + std::to_string(a.row.fmt) + ", columnwise " +
+             std::to_string(a.col.fmt) + ")";
+    return launch_register_tile(p, a.dtype, a.batch, s);
+  }
   if (variant == kRegisterTile && register_tile_takes(a)) return launch_register_tile(p, a.dtype, a.batch, s);
   switch (a.dtype) {
     case kBF16: return launch_t<__nv_bfloat16>(p, a.batch, s);

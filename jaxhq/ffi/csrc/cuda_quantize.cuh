@@ -26,6 +26,8 @@ struct Params {
   const uint32_t* seed;
   SideParams side[2];  // 0: rowwise [m, k], 1: columnwise [k, m]
   float* amax;         // [batch] or null: max |x| (zeroed before the launch; one atomic per CTA on its bits)
+  const void* dy;      // act != 0: x is the activation's input h and the copies are of its gradient (spec.h)
+  int32_t act;
 };
 
 inline Params make_params(const QuantizeArgs& a) {
@@ -38,6 +40,8 @@ inline Params make_params(const QuantizeArgs& a) {
   p.amax_eps = a.amax_eps;
   p.seed = a.seed;
   p.amax = a.amax;
+  p.dy = a.dy;
+  p.act = a.act;
   const CopySpec* cs[2] = {&a.row, &a.col};
   for (int s = 0; s < 2; ++s) {
     const int64_t R = s == 0 ? a.m : a.k, C = s == 0 ? a.k : a.m;
@@ -318,8 +322,10 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
   encode_fp8_chunk<N, false>(sp, b, gr, gc, mult, v);
 }
 
-// The register-tile kernel (cuda_quantize_regs.cu): 16-bit inputs, FP8 formats (register_tile_takes).
+// The register-tile kernel (cuda_quantize_regs.cu): 16-bit inputs, FP8 formats (register_tile_takes); it also
+// makes the copies of an activation's gradient (act_grad_takes).
 bool register_tile_takes(const QuantizeArgs& a);
+bool act_grad_takes(const QuantizeArgs& a);
 std::string launch_register_tile(const Params& p, int32_t dtype, int64_t batch, cudaStream_t s);
 
 }  // namespace jaxhq

@@ -7,15 +7,18 @@
 // patterns, which orders as the values do, with NaN patterns above inf. They meet in 17 KB of shared memory, where
 // a thread per copy row turns them into the row's MXFP8 / 1x128 scales (row_scales) before the chunks are encoded.
 // Numerics: cuda_quantize.cuh (mx_scale_byte, block_scale, encode_fp8_chunk, encode_chunk), shared with the tile
-// kernel.
+// kernel. With an activation (Params::act) the block is the activation's gradient, made from h and dy as it is
+// loaded (load_block_act_grad; jaxhq_act_grad's kernel, act_grad_kernel, writes the same values).
 //
 // Thread layout: warp w, lane l -> block row rg = 4 (w % 4) + l / 8, block column cg = 8 (w / 4) + l % 8.
 // Eight lanes read 128 contiguous bytes of a row; an MXFP8 block of either copy is 4 lanes of
 // one warp. Stores: a rowwise FP8 row of a warp is 64 contiguous bytes, a columnwise one 32.
 #include "cuda_common.cuh"
 #include "cuda_launch.h"
+#include "activation.h"
 #include "cuda_quantize.cuh"
 
+#include <algorithm>
 #include <string>
 #include <type_traits>
 
@@ -129,6 +132,180 @@ __device__ __forceinline__ void load_block(const In* __restrict__ x, int64_t m, 
     }
 }
 
+// The activation's gradient (activation.h) of 8 consecutive columns of one row, rounded to bfloat16 pairs, from
+// 16-byte words of h (x, or the gate g), of the gate's partner u (gated, gate half) and of dy. part: 0 plain,
+// 1 a gate column, 2 an up column. Not inlined: eight calls per block instead of 64 inlined copies of every
+// activation's code (which made the kernel ten times the size of the one without an activation, and slow).
+__device__ JHQ_NOINLINE uint4 act_grad8(int32_t kind, int part, uint4 hq, uint4 uq, uint4 dq) {
+  const uint32_t hw[4] = {hq.x, hq.y, hq.z, hq.w}, uw[4] = {uq.x, uq.y, uq.z, uq.w}, dw[4] = {dq.x, dq.y, dq.z, dq.w};
+  uint32_t o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float v[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float x = bf16_bits_to_f32(uint16_t(hw[i] >> (16 * e))), d = bf16_bits_to_f32(uint16_t(dw[i] >> (16 * e)));
+      v[e] = part == 1 ? act_grad_gate(kind, x, bf16_bits_to_f32(uint16_t(uw[i] >> (16 * e))), d)
+                       : part == 2 ? act_grad_up(kind, x, d) : act_grad_plain(kind, x, d);
+    }
+    o[i] = bf16_pair(v[0], v[1]);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+// act_grad8 for a gate column group and its up column group at once (from one read of g, u and dy): the gate's
+// gradient returned, the up's in `up`.
+__device__ JHQ_NOINLINE uint4 act_grad8_pair(int32_t kind, uint4 gq, uint4 uq, uint4 dq, uint4& up) {
+  const uint32_t gw[4] = {gq.x, gq.y, gq.z, gq.w}, uw[4] = {uq.x, uq.y, uq.z, uq.w}, dw[4] = {dq.x, dq.y, dq.z, dq.w};
+  uint32_t o[4], q[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float a[2], c[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float g = bf16_bits_to_f32(uint16_t(gw[i] >> (16 * e))), d = bf16_bits_to_f32(uint16_t(dw[i] >> (16 * e)));
+      a[e] = act_grad_gate(kind, g, bf16_bits_to_f32(uint16_t(uw[i] >> (16 * e))), d);
+      c[e] = act_grad_up(kind, g, d);
+    }
+    o[i] = bf16_pair(a[0], a[1]);
+    q[i] = bf16_pair(c[0], c[1]);
+  }
+  up = make_uint4(q[0], q[1], q[2], q[3]);
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+// A gated activation whose halves are whole tiles: a CTA makes a gate tile and the up tile F columns to its right
+// from one read of g, u and dy (paired_tiles), the up block waiting in shared memory (the stash).
+__host__ __device__ inline bool paired_tiles(const Params& p) {
+  return (p.act & kActGated) && (p.k / 2) % kTile == 0;
+}
+constexpr int kStashWords = 32 * kThreads;  // 32 words (an 8x8 bf16 block) per thread, word i of thread t at i * 256 + t
+
+// One element of the gradient at (row, column c) of h [., k] (dy: [., dk]), unrounded (partial blocks).
+__device__ JHQ_NOINLINE float act_grad_at(int32_t act, const uint16_t* h_row, const uint16_t* dy_row, int64_t c,
+                                             int64_t dk) {
+  const int32_t kind = act & ~kActGated;
+  const auto at = [](const uint16_t* q, int64_t i) { return bf16_bits_to_f32(q[i]); };
+  if (!(act & kActGated)) return act_grad_plain(kind, at(h_row, c), at(dy_row, c));
+  if (c < dk) return act_grad_gate(kind, at(h_row, c), at(h_row, c + dk), at(dy_row, c));
+  return act_grad_up(kind, at(h_row, c - dk), at(dy_row, c - dk));
+}
+
+// load_block's 8x8 block of the activation's gradient (p.act) instead of x's, from h (x's place) and dy. A block
+// inside h (16-byte aligned rows; gated: half widths a multiple of 8, so the block lies in one half) takes 16-byte
+// loads, four rows' loads issued before their arithmetic.
+__device__ __forceinline__ void load_block_act_grad(const Params& p, int64_t b, int64_t r, int64_t c, bool vec,
+                                                    uint32_t (&w)[8][4]) {
+  const int32_t kind = p.act & ~kActGated;
+  const bool gated = p.act & kActGated;
+  const int64_t m = p.m, k = p.k, dk = gated ? k / 2 : k;
+  const uint16_t* h = static_cast<const uint16_t*>(p.x) + b * m * k;
+  const uint16_t* dy = static_cast<const uint16_t*>(p.dy) + b * m * dk;
+  if (vec && (!gated || dk % 8 == 0)) {
+    const int part = !gated ? 0 : c < dk ? 1 : 2;
+    const int64_t hc = part == 2 ? c - dk : c;  // the column of g (or x) in h, and of dy
+#pragma unroll
+    for (int j0 = 0; j0 < 8; j0 += 4) {
+      uint4 hq[4], dq[4], uq[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        hq[j] = __ldg(reinterpret_cast<const uint4*>(h + (r + j0 + j) * k + hc));
+        dq[j] = __ldg(reinterpret_cast<const uint4*>(dy + (r + j0 + j) * dk + hc));
+        uq[j] = part == 1 ? __ldg(reinterpret_cast<const uint4*>(h + (r + j0 + j) * k + hc + dk)) : hq[j];
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint4 o = act_grad8(kind, part, hq[j], uq[j], dq[j]);
+        w[j0 + j][0] = o.x, w[j0 + j][1] = o.y, w[j0 + j][2] = o.z, w[j0 + j][3] = o.w;
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float v[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t rr = r + j, cc = c + 2 * i + e;
+        v[e] = rr < m && cc < k ? act_grad_at(p.act, h + rr * k, dy + rr * dk, cc, dk) : 0.0f;
+      }
+      w[j][i] = bf16_pair(v[0], v[1]);
+    }
+}
+
+// load_block_act_grad for a gate block (columns c.. of h's first half) and its up block, a whole tile pair inside h
+// or not: the gate block into w, the up block into `stash` (kStashWords: word i of thread t at i * 256 + t).
+__device__ __forceinline__ void load_block_act_grad_pair(const Params& p, int64_t b, int64_t r, int64_t c, bool vec,
+                                                         uint32_t (&w)[8][4], uint32_t* stash) {
+  const int32_t kind = p.act & ~kActGated;
+  const int64_t m = p.m, k = p.k, dk = k / 2;
+  const uint16_t* h = static_cast<const uint16_t*>(p.x) + b * m * k;
+  const uint16_t* dy = static_cast<const uint16_t*>(p.dy) + b * m * dk;
+  if (vec) {
+#pragma unroll
+    for (int j0 = 0; j0 < 8; j0 += 4) {
+      uint4 gq[4], dq[4], uq[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        gq[j] = __ldg(reinterpret_cast<const uint4*>(h + (r + j0 + j) * k + c));
+        uq[j] = __ldg(reinterpret_cast<const uint4*>(h + (r + j0 + j) * k + c + dk));
+        dq[j] = __ldg(reinterpret_cast<const uint4*>(dy + (r + j0 + j) * dk + c));
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint4 up;
+        const uint4 o = act_grad8_pair(kind, gq[j], uq[j], dq[j], up);
+        w[j0 + j][0] = o.x, w[j0 + j][1] = o.y, w[j0 + j][2] = o.z, w[j0 + j][3] = o.w;
+        const int i0 = 4 * (j0 + j);
+        stash[(i0 + 0) * kThreads + threadIdx.x] = up.x;
+        stash[(i0 + 1) * kThreads + threadIdx.x] = up.y;
+        stash[(i0 + 2) * kThreads + threadIdx.x] = up.z;
+        stash[(i0 + 3) * kThreads + threadIdx.x] = up.w;
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float v[2], u[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t rr = r + j, cc = c + 2 * i + e;
+        const bool in = rr < m && cc < dk;
+        v[e] = in ? act_grad_at(p.act, h + rr * k, dy + rr * dk, cc, dk) : 0.0f;
+        u[e] = in ? act_grad_at(p.act, h + rr * k, dy + rr * dk, cc + dk, dk) : 0.0f;
+      }
+      w[j][i] = bf16_pair(v[0], v[1]);
+      stash[(4 * j + i) * kThreads + threadIdx.x] = bf16_pair(u[0], u[1]);
+    }
+}
+
+// jaxhq_act_grad: the gradient written as bfloat16 [rows, k], 8 columns per thread.
+__global__ void act_grad_kernel(const uint16_t* __restrict__ h, const uint16_t* __restrict__ dy, int32_t act,
+                                int64_t rows, int64_t k, uint16_t* __restrict__ out) {
+  const bool gated = act & kActGated;
+  const int64_t dk = gated ? k / 2 : k, groups = (k + 7) / 8;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * groups;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / groups, c = (i % groups) * 8;
+    const uint16_t* hr = h + row * k;
+    const uint16_t* dr = dy + row * dk;
+    if (k % 8 == 0 && (!gated || dk % 8 == 0)) {
+      const int part = !gated ? 0 : c < dk ? 1 : 2;
+      const int64_t hc = part == 2 ? c - dk : c;
+      const uint4 hq = __ldg(reinterpret_cast<const uint4*>(hr + hc)), dq = __ldg(reinterpret_cast<const uint4*>(dr + hc));
+      const uint4 uq = part == 1 ? __ldg(reinterpret_cast<const uint4*>(hr + hc + dk)) : hq;
+      *reinterpret_cast<uint4*>(out + row * k + c) = act_grad8(act & ~kActGated, part, hq, uq, dq);
+    } else {
+      for (int64_t cc = c; cc < c + 8 && cc < k; ++cc) out[row * k + cc] = f32_to_bf16_bits(act_grad_at(act, hr, dr, cc, dk));
+    }
+  }
+}
+
 // Element e (0..7) of copy row t (0..7) of this thread's block: side 0 reads row t, side 1 column t.
 __device__ __forceinline__ uint32_t element(const uint32_t (&w)[8][4], int s, int t, int e) {
   return s == 0 ? half_of(w[t][e / 2], e % 2) : half_of(w[e][t / 2], t % 2);
@@ -176,21 +353,11 @@ __device__ __forceinline__ void encode_side(const Params& p, const RegSmem& sm, 
 template <typename In>
 constexpr int kMinBlocks = sizeof(In) == 2 ? 4 : 1;
 
-template <typename In, typename T, int F0, int F1>
-__global__ void __launch_bounds__(kThreads, kMinBlocks<In>) quantize_regs_kernel(Params p) {
-  RegSmem& sm = *dynamic_smem<RegSmem>();
-  const int64_t b = blockIdx.z;
-  const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int rg = 4 * (warp & 3) + (lane >> 3), cg = 8 * (warp >> 2) + (lane & 7);
-  const In* x = static_cast<const In*>(p.x) + b * p.m * p.k;
-  const bool vec = r0 + kTile <= p.m && c0 + kTile <= p.k && p.k % 8 == 0;  // the same for the whole CTA
-
-  uint32_t w[8][4];
-  load_block<In>(x, p.m, p.k, r0 + 8 * rg, c0 + 8 * cg, vec, w);
-  const float ts[2] = {copy_scalar(p, 0, b), copy_scalar(p, 1, b)};
-  write_scale_inv(p, b, ts);
-
+// A tile's copies from this thread's block w of it (x's, or the activation's gradient): the partial amaxes, the
+// block scales, the encoded chunks.
+template <typename T, int F0, int F1>
+__device__ __forceinline__ void encode_tile(const Params& p, RegSmem& sm, int64_t b, int64_t r0, int64_t c0, int rg,
+                                            int cg, const uint32_t (&w)[8][4], const float (&ts)[2]) {
   // Per-thread partials: max |x| of each of its 8 rows (over 8 columns) and 8 columns (over 8 rows).
   uint32_t colw[4] = {0u, 0u, 0u, 0u}, xm = 0u;
 #pragma unroll
@@ -227,10 +394,42 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<In>) quantize_regs_kernel
   encode_side<T, F1>(p, sm, 1, b, rg, cg, r0, c0, w, ts[1]);
 }
 
-template <typename In, typename T, int F0, int F1>
+// kAct: the copies are of the activation's gradient (load_block_act_grad; In is bfloat16, h's type); a gated one
+// whose halves are whole tiles makes a gate tile and its up tile per CTA (paired_tiles).
+template <typename In, typename T, int F0, int F1, bool kAct = false>
+__global__ void __launch_bounds__(kThreads, kAct ? 3 : kMinBlocks<In>) quantize_regs_kernel(Params p) {
+  RegSmem& sm = *dynamic_smem<RegSmem>();
+  const int64_t b = blockIdx.z;
+  const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int rg = 4 * (warp & 3) + (lane >> 3), cg = 8 * (warp >> 2) + (lane & 7);
+  const In* x = static_cast<const In*>(p.x) + b * p.m * p.k;
+  const bool vec = r0 + kTile <= p.m && c0 + kTile <= p.k && p.k % 8 == 0;  // the same for the whole CTA
+  const bool paired = kAct && paired_tiles(p);
+  uint32_t* stash = reinterpret_cast<uint32_t*>(&sm + 1);  // kAct: the up block of a paired gate block
+
+  uint32_t w[8][4];
+  if constexpr (!kAct) load_block<In>(x, p.m, p.k, r0 + 8 * rg, c0 + 8 * cg, vec, w);
+  else if (paired) load_block_act_grad_pair(p, b, r0 + 8 * rg, c0 + 8 * cg, vec, w, stash);
+  else load_block_act_grad(p, b, r0 + 8 * rg, c0 + 8 * cg, vec, w);
+  const float ts[2] = {copy_scalar(p, 0, b), copy_scalar(p, 1, b)};
+  write_scale_inv(p, b, ts);
+  encode_tile<T, F0, F1>(p, sm, b, r0, c0, rg, cg, w, ts);
+  if (paired) {  // the up tile, F columns to the right, once every thread is done with the gate tile
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 32; ++i) w[i / 4][i % 4] = stash[i * kThreads + threadIdx.x];
+    encode_tile<T, F0, F1>(p, sm, b, r0, c0 + p.k / 2, rg, cg, w, ts);
+  }
+}
+
+template <typename In, typename T, int F0, int F1, bool kAct = false>
 std::string launch_pair(const Params& p, int64_t batch, cudaStream_t s) {
-  dim3 grid(unsigned((p.k + kTile - 1) / kTile), unsigned((p.m + kTile - 1) / kTile), unsigned(batch));
-  launch_kernel(quantize_regs_kernel<In, T, F0, F1>, grid, dim3(kThreads), sizeof(RegSmem), s, p);
+  const bool paired = kAct && paired_tiles(p);  // a CTA per gate tile, which makes its up tile too
+  const int64_t cols = paired ? p.k / 2 : p.k;
+  dim3 grid(unsigned((cols + kTile - 1) / kTile), unsigned((p.m + kTile - 1) / kTile), unsigned(batch));
+  const size_t smem = sizeof(RegSmem) + (kAct ? sizeof(uint32_t) * kStashWords : 0);
+  launch_kernel(quantize_regs_kernel<In, T, F0, F1, kAct>, grid, dim3(kThreads), smem, s, p);
   return cuda_status();
 }
 
@@ -247,9 +446,17 @@ std::string with_format(int f, Fn&& fn) {
   }
 }
 
-// The instantiation for this call's (rowwise, columnwise) formats.
+// The instantiation for this call's (rowwise, columnwise) formats; an activation gradient's copies: one format on
+// both sides (act_grad_takes).
 template <typename In, typename T = In>
 std::string launch_t(const Params& p, int64_t batch, cudaStream_t s) {
+  if constexpr (std::is_same_v<In, __nv_bfloat16>) {
+    if (p.act) {
+      return with_format(p.side[0].fmt, [&](auto f) {
+        return launch_pair<In, T, decltype(f)::value, decltype(f)::value, true>(p, batch, s);
+      });
+    }
+  }
   return with_format(p.side[0].fmt, [&](auto f0) {
     return with_format(p.side[1].fmt, [&](auto f1) {
       return launch_pair<In, T, decltype(f0)::value, decltype(f1)::value>(p, batch, s);
@@ -265,6 +472,20 @@ std::string launch_t(const Params& p, int64_t batch, cudaStream_t s) {
 bool register_tile_takes(const QuantizeArgs& a) {
   return (a.dtype == kBF16 || a.dtype == kF16 || a.dtype == kF32AsBF16) && a.row.fmt != kNvfp4 &&
          a.col.fmt != kNvfp4;
+}
+
+std::string launch_act_grad(const void* h, const void* dy, int32_t act, int64_t rows, int64_t k, uint16_t* out,
+                            void* stream) {
+  const int64_t n = rows * ((k + 7) / 8);
+  if (n == 0) return std::string();
+  const unsigned blocks = unsigned(std::min<int64_t>((n + 255) / 256, 132 * 16));
+  launch_kernel(act_grad_kernel, dim3(blocks), dim3(256), 0, static_cast<cudaStream_t>(stream),
+                static_cast<const uint16_t*>(h), static_cast<const uint16_t*>(dy), act, rows, k, out);
+  return cuda_status();
+}
+
+bool act_grad_takes(const QuantizeArgs& a) {
+  return a.dtype == kBF16 && a.row.fmt == a.col.fmt && a.row.fmt != kNone && register_tile_takes(a);
 }
 
 std::string launch_register_tile(const Params& p, int32_t dtype, int64_t batch, cudaStream_t s) {

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "cpu_quantize.h"
+#include "activation.h"
 #include "numerics.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -50,7 +51,44 @@ inline ffi::Error make_amax_args(const ffi::AnyBuffer& x, int32_t rht, AmaxArgs*
   return ffi::Error::Success();
 }
 
-inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& scales,
+// The activation-gradient input (act != 0): h bfloat16 [..., M, K] in x's place, dy bfloat16 [..., M, K] (gated:
+// K / 2); dy empty when act is 0.
+inline ffi::Error check_act_grad(const ffi::AnyBuffer& h, const ffi::AnyBuffer& dy, int32_t act, QuantizeArgs* a) {
+  if (act == 0) {
+    if (dy.size_bytes() != 0) return ffi::Error::InvalidArgument("jaxhq quantize: dy given without an activation");
+    return ffi::Error::Success();
+  }
+  const int32_t kind = act & ~kActGated;
+  if (kind < kActGelu || kind > kActRelu || (act & ~(kActGated | 3)))
+    return ffi::Error::InvalidArgument("jaxhq quantize: unknown activation id " + std::to_string(act));
+  const bool gated = act & kActGated;
+  const auto hd = h.dimensions(), dd = dy.dimensions();
+  bool ok = h.element_type() == ffi::DataType::BF16 && dy.element_type() == ffi::DataType::BF16 &&
+            hd.size() == dd.size() && (!gated || a->k % 2 == 0);
+  for (size_t i = 0; ok && i < hd.size(); ++i)
+    ok = dd[i] == (i + 1 == hd.size() && gated ? hd[i] / 2 : hd[i]);
+  if (!ok)
+    return ffi::Error::InvalidArgument("jaxhq quantize: the activation gradient takes h and dy in bfloat16, dy of h's "
+                                       "shape (gated: half its last axis, which must be even)");
+  a->dy = dy.untyped_data();
+  a->act = act;
+  return ffi::Error::Success();
+}
+
+// jaxhq_act_grad: h [..., M, K], dy as for the quantize's `act`, the result of h's shape in bfloat16.
+inline ffi::Error make_act_grad_args(const ffi::AnyBuffer& h, const ffi::AnyBuffer& dy, int32_t act,
+                                     ffi::Result<ffi::AnyBuffer>& out, QuantizeArgs* a) {
+  if (auto e = split_dims(h, &a->batch, &a->m, &a->k); e.failure()) return e;
+  if (act == 0) return ffi::Error::InvalidArgument("jaxhq act_grad: an activation id is needed");
+  if (auto e = check_act_grad(h, dy, act, a); e.failure()) return e;
+  if (out->element_type() != ffi::DataType::BF16 || out->element_count() != h.element_count())
+    return ffi::Error::InvalidArgument("jaxhq act_grad: the result must be bfloat16 of h's shape");
+  a->x = h.untyped_data();
+  return ffi::Error::Success();
+}
+
+inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const ffi::AnyBuffer& dy, int32_t act,
+                                     const ffi::Buffer<ffi::F32>& scales,
                                      const ffi::Buffer<ffi::U32>& seed, ffi::Result<ffi::AnyBuffer>& rd,
                                      ffi::Result<ffi::AnyBuffer>& rs, ffi::Result<ffi::AnyBuffer>& cd,
                                      ffi::Result<ffi::AnyBuffer>& cs, ffi::Result<ffi::AnyBuffer>& amax,
@@ -89,6 +127,7 @@ inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const ffi::Buffer<
       return ffi::Error::InvalidArgument("jaxhq quantize: the amax output must be empty or float32 [batch]");
     a->amax = static_cast<float*>(amax->untyped_data());
   }
+  if (auto e = check_act_grad(x, dy, act, a); e.failure()) return e;
   a->x = x.untyped_data();
   a->scales = scales.typed_data();
   a->seed = seed.typed_data();
@@ -141,12 +180,14 @@ auto bind_quantize_outputs(B&& b) {  // row data, row scale, col data, col scale
       .template Attr<int32_t>("row_opts")
       .template Attr<int32_t>("col_fmt")
       .template Attr<int32_t>("col_opts")
-      .template Attr<float>("amax_eps");
+      .template Attr<float>("amax_eps")
+      .template Attr<int32_t>("act");
 }
 
 template <typename B>
-auto bind_quantize_inputs(B&& b) {  // x, scales [batch, 2], seed [batch, kSeedWords]
-  return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::F32>>().template Arg<ffi::Buffer<ffi::U32>>();
+auto bind_quantize_inputs(B&& b) {  // x, dy (empty unless `act`), scales [batch, 2], seed [batch, kSeedWords]
+  return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::U32>>();
 }
 
 template <typename B>
@@ -161,6 +202,14 @@ auto bind_quantize_into(B&& b) {  // + the four output buffers, aliased to the r
                                    .template Arg<ffi::AnyBuffer>()
                                    .template Arg<ffi::AnyBuffer>()
                                    .template Arg<ffi::AnyBuffer>());
+}
+
+template <typename B>
+auto bind_act_grad(B&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int32_t>("act");
 }
 
 template <typename B>

@@ -7,6 +7,7 @@ XLA_FFI_Error* jaxhq_cpu_amax(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jaxhq_cpu_quantize(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jaxhq_cpu_quantize_into(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jaxhq_cpu_dequantize(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* jaxhq_cpu_act_grad(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jaxhq_cpu_gemm_fp8(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jaxhq_cpu_gemm_dq(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jaxhq_cpu_gemm_fp8_grouped(XLA_FFI_CallFrame* call_frame);
@@ -16,5 +17,6 @@ XLA_FFI_Error* jaxhq_cuda_amax(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jaxhq_cuda_quantize(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jaxhq_cuda_quantize_into(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jaxhq_cuda_dequantize(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* jaxhq_cuda_act_grad(XLA_FFI_CallFrame* call_frame);
 #endif
 }

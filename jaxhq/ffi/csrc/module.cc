@@ -24,6 +24,7 @@ NB_MODULE(_jaxhq_ffi, m) {
     cpu["jaxhq_quantize"] = capsule(jaxhq_cpu_quantize);
     cpu["jaxhq_quantize_into"] = capsule(jaxhq_cpu_quantize_into);
     cpu["jaxhq_dequantize"] = capsule(jaxhq_cpu_dequantize);
+    cpu["jaxhq_act_grad"] = capsule(jaxhq_cpu_act_grad);
     cpu["jaxhq_gemm_fp8"] = capsule(jaxhq_cpu_gemm_fp8);
     cpu["jaxhq_gemm_dq"] = capsule(jaxhq_cpu_gemm_dq);
     cpu["jaxhq_gemm_fp8_grouped"] = capsule(jaxhq_cpu_gemm_fp8_grouped);
@@ -33,6 +34,7 @@ NB_MODULE(_jaxhq_ffi, m) {
     cuda["jaxhq_quantize"] = capsule(jaxhq_cuda_quantize);
     cuda["jaxhq_quantize_into"] = capsule(jaxhq_cuda_quantize_into);
     cuda["jaxhq_dequantize"] = capsule(jaxhq_cuda_dequantize);
+    cuda["jaxhq_act_grad"] = capsule(jaxhq_cuda_act_grad);
     for (const jaxhq::GemmHandler* h = jaxhq::gemm_cuda_handlers(); h->name; ++h) cuda[h->name] = capsule(h->fn);
 #endif
     out["cpu"] = cpu;

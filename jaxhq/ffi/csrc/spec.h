@@ -29,6 +29,11 @@ struct QuantizeArgs {
   CopySpec row, col;             // rowwise copy [M, K]; columnwise copy [K, M]
   float* amax = nullptr;         // [batch] or null: max |x| of each batch element, taken from the values read
                                  // for the copies (NaN when any is NaN; which NaN is unspecified)
+  // act != 0 (activation.h: kind | kActGated): the copies are of the activation's gradient, not of x: x holds the
+  // activation's input h (bfloat16 [batch, M, K]) and dy the gradient of its output (bfloat16 [batch, M, K], gated:
+  // [batch, M, K / 2]); each element is rounded to bfloat16 before it is quantized (jaxhq_quantize's `act`).
+  const void* dy = nullptr;
+  int32_t act = 0;
 };
 
 // Seed words per batch element: the stochastic-rounding key (2 words), this shard's offset in the global x
