@@ -337,6 +337,19 @@ def test_amax_formats_fall_back_to_the_gradient(monkeypatch):
         assert np.array_equal(np.asarray(got.get(a).data).view(np.uint8), np.asarray(want.get(a).data).view(np.uint8))
 
 
+def test_dense_activation_refuses_odd_gated_width():
+    from jaxhq import ops
+    from jaxhq.formats import MXFP8
+    from jaxhq.recipes import DenseQuantizers
+    qs = DenseQuantizers(input=MXFP8(), weight=MXFP8(), grad_output=MXFP8())
+    x, w = jnp.ones((4, 32), jnp.bfloat16), jnp.ones((32, 66), jnp.float32)
+    assert ops.dense(x, w, quantizers=qs, activation="swiglu").shape == (4, 33)
+    with pytest.raises(ValueError, match=r"halves the 65 outputs of kernel of shape \(32, 65\)"):
+        ops.dense(x, w[:, :65], quantizers=qs, activation="swiglu")
+    with pytest.raises(ValueError, match="unknown activation"):
+        ops.dense(x, w, quantizers=qs, activation="swish")
+
+
 def test_gpu_takes_one_fp8_format_on_both_sides():
     from jaxhq.ffi.dispatch import act_grad_on_gpu
     both = ("rowwise", "columnwise")

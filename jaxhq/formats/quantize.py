@@ -43,7 +43,6 @@ class ActivationGrad:
         return self.h.ndim
 
 
-
 def normalize(quantizer: Quantizer) -> Quantizer:
     """Hybrid(Q, Q) -> Q, so the two are the same computation (and the same bits) everywhere."""
     if isinstance(quantizer, Hybrid) and quantizer.rowwise == quantizer.columnwise:

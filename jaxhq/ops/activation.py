@@ -2,10 +2,10 @@
 
 `Dense(activation=...)` (the dense op's `activation`) applies one to its GEMM's output. Its backward hands the
 gradient's quantization h (the GEMM's output, kept from the forward) and dy instead of the gradient itself
-(`formats.ActivationGrad`): where a kernel takes them, the gradient's copies come out of one launch and the
-gradient is never written (csrc/activation.h computes it, the same on the CPU and the GPU); elsewhere JAX
-differentiates the forward, as it would without the op. The two agree within float32 rounding before the
-gradient's rounding to bfloat16 (tests/test_activation.py).
+(`formats.ActivationGrad`). With JAXHQ_QUANTIZE_PATH act_grad=kernel, where a kernel takes them, the gradient's
+copies come out of one launch and the gradient is never written (csrc/activation.h computes it: exact float32 on
+the CPU, the hardware's approximations on the GPU); by default, and elsewhere, JAX differentiates the forward, as
+it would without the op. The two gradients agree within bfloat16 rounding (tests/test_activation.py).
 """
 from __future__ import annotations
 
@@ -43,10 +43,8 @@ def activate(h, activation: str):
 
 def kernel_id(activation: str) -> int:
     """The kernels' id of an activation (P.ACT_* | P.GATED)."""
-    check(activation)
-    fn, gated = ACTIVATIONS[activation]
     base = {"swiglu": "silu", "geglu": "gelu"}.get(activation, activation)
-    return _KERNEL_IDS[base] | (P.GATED if gated else 0)
+    return _KERNEL_IDS[base] | (P.GATED if is_gated(activation) else 0)
 
 
 def input_grad(h, dy, activation: str) -> ActivationGrad:

@@ -54,7 +54,7 @@ def _check(x, kernel, bias, qs: DenseQuantizers, activation=None):
     where = f" (module {qs.role('input').name})" if qs.roles else ""
     if activation is not None and act_.is_gated(activation) and kernel.shape[-1] % 2:
         raise ValueError(f"dense{where}: the gated activation {activation!r} halves the {kernel.shape[-1]} outputs "
-                         "of kernel of shape {tuple(kernel.shape)}: an even number is needed")
+                         f"of kernel of shape {tuple(kernel.shape)}: an even number is needed")
     if kernel.ndim != 2:
         raise ValueError(f"dense{where}: kernel must be 2D [in, out], got shape {tuple(kernel.shape)}")
     if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
