@@ -130,7 +130,7 @@ def _dense(x, kernel, bias, states, key, qs, wsh, sp, activation):
 QUANTIZED_RESIDUAL = "jaxhq_quantized_residual"  # the checkpoint name of the copies the backward GEMMs read
 
 
-def _dense_fwd(x, kernel, bias, states, key, qs, wsh, sp, activation):
+def _dense_fwd(x, kernel, bias, states, key, qs, wsh, sp, activation=None):
     y, new, qx, qw = _forward(x, kernel, bias, states, key, qs, (ROWWISE, COLUMNWISE), (ROWWISE, COLUMNWISE),
                               wsh, sp)
     h = None  # with an activation: its input, for the backward (as JAX keeps it for an activation's derivative)
