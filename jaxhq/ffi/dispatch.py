@@ -95,7 +95,7 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
         side(quantizer, a).check_shape(*((m, k) if a == ROWWISE else (k, m)), a)
     if act_grad is not None and (transposed or cast_to is not None or any(v is None for v in ids.values()) or
                                  x2d.dtype != jnp.bfloat16 or act_grad[0].dtype != jnp.bfloat16 or
-                                 (platform == "cuda" and not act_grad_on_gpu(ids, usage))):
+                                 (platform == "cuda" and not act_grad_on_gpu(ids))):
         return None
 
     # Per-tensor amaxes. FP8 current scaling and NVFP4 need theirs before quantizing (the RHT side the
@@ -199,7 +199,7 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     return out
 
 
-def act_grad_on_gpu(ids: dict, usage) -> bool:
+def act_grad_on_gpu(ids: dict) -> bool:
     """Whether the GPU kernel makes these copies of an activation's gradient: both copies, in one FP8 per-tensor,
     MXFP8 or FP8 blockwise format (the register-tile kernel's formats)."""
     fmts = {ids.get(a, (P.NONE, 0))[0] for a in USAGES}

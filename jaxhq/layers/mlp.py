@@ -15,7 +15,7 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax.numpy as jnp
 
-from ..ops.activation import ACTIVATIONS, is_gated
+from ..ops.activation import check as check_activation, is_gated
 from ..recipes import CustomRecipe
 from ..roles import QuantizerRole, gemm_roles
 from .common import child_path, make_norm
@@ -40,8 +40,7 @@ class LayerNormMLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"unknown activation {self.activation!r}; expected one of {tuple(ACTIVATIONS)}")
+        check_activation(self.activation)
         fc1_roles, fc2_roles = gemm_roles(child_path(self, "fc1")), gemm_roles(child_path(self, "fc2"))
         h = make_norm(self.norm, self.epsilon, self.dtype, self.param_dtype)(x) if self.norm else x
         width = self.d_ff * (2 if is_gated(self.activation) else 1)

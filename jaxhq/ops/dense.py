@@ -154,12 +154,11 @@ def _dense_bwd(qs, wsh, sp, activation, res, cts):
     gathered = sp is not None and sp.gathers("grad_output")
     # With an activation, the GEMM output's gradient is quantized from h and dy where a kernel takes them, unless it
     # is needed itself (the bias) or the op is sharded (its copies then travel or are made per shard).
-    from_h = activation is not None and b_dtype is None and wsh is None and sp is None
-    if activation is not None and not from_h:
-        dy = act_.input_grad(h, dy, activation).grad()
-    if from_h:
+    if activation is not None and b_dtype is None and wsh is None and sp is None:
         dy2d = act_.input_grad(h.reshape(-1, h.shape[-1]), dy.reshape(-1, dy.shape[-1]), activation)
     else:
+        if activation is not None:
+            dy = act_.input_grad(h, dy, activation).grad()
         dy2d = sp.tokens(dy) if gathered else dy.reshape(-1, dy.shape[-1])
     _, _, kdy = _keys(key)
     both = (ROWWISE, COLUMNWISE)

@@ -73,23 +73,32 @@ JHQ_HD GeluParts gelu_parts(float x) {
   return {0.5f * (1.0f + th), th};
 }
 
-// act(x) and act'(x) of activation `kind` (kActGelu, kActSilu, kActRelu).
-JHQ_HD float act_value(int32_t kind, float x) {
-  if (kind == kActGelu) return x * gelu_parts(x).cdf;
-  if (kind == kActSilu) return x * sigmoid_act(x);
-  return nmax(x, 0.0f);
-}
-JHQ_HD float act_slope(int32_t kind, float x) {
+// act(x) and act'(x) of activation `kind` (kActGelu, kActSilu, kActRelu), from one exponential and reciprocal
+// (inlined, a caller that takes one of them computes only that one).
+JHQ_HD void act_value_slope(int32_t kind, float x, float& value, float& slope) {
   if (kind == kActGelu) {
     const GeluParts g = gelu_parts(x);
     const float dz = 0.797884561f * fma_act(0.134145f * x, x, 1.0f);  // d/dx of the tanh's argument
-    return fma_act((0.5f * x) * fma_act(-g.th, g.th, 1.0f), dz, g.cdf);
-  }
-  if (kind == kActSilu) {
+    value = x * g.cdf;
+    slope = fma_act((0.5f * x) * fma_act(-g.th, g.th, 1.0f), dz, g.cdf);
+  } else if (kind == kActSilu) {
     const float s = sigmoid_act(x);
-    return s * fma_act(x, 1.0f - s, 1.0f);
+    value = x * s;
+    slope = s * fma_act(x, 1.0f - s, 1.0f);
+  } else {
+    value = nmax(x, 0.0f);
+    slope = x > 0.0f ? 1.0f : 0.0f;
   }
-  return x > 0.0f ? 1.0f : 0.0f;
+}
+JHQ_HD float act_value(int32_t kind, float x) {
+  float v, s;
+  act_value_slope(kind, x, v, s);
+  return v;
+}
+JHQ_HD float act_slope(int32_t kind, float x) {
+  float v, s;
+  act_value_slope(kind, x, v, s);
+  return s;
 }
 
 // The gradient of act(h) (plain) or of act(g) * u (gated: h = [g, u] along its last axis, halves of F columns)
@@ -97,5 +106,23 @@ JHQ_HD float act_slope(int32_t kind, float x) {
 JHQ_HD float act_grad_plain(int32_t kind, float x, float dy) { return dy * act_slope(kind, x); }
 JHQ_HD float act_grad_gate(int32_t kind, float g, float u, float dy) { return (dy * u) * act_slope(kind, g); }
 JHQ_HD float act_grad_up(int32_t kind, float g, float dy) { return dy * act_value(kind, g); }
+
+// A gate column's and its up column's gradients from one g, u and dy: act_grad_gate's and act_grad_up's floats,
+// the activation's exponential and reciprocal taken once for both.
+JHQ_HD void act_grad_gate_up(int32_t kind, float g, float u, float dy, float& gate, float& up) {
+  float value, slope;
+  act_value_slope(kind, g, value, slope);
+  gate = (dy * u) * slope;
+  up = dy * value;
+}
+
+// Column c of the gradient of a row of h (bfloat16 bits, k values) given its row of dy (k, gated k / 2 = dk).
+JHQ_HD float act_grad_at(int32_t act, const uint16_t* h_row, const uint16_t* dy_row, int64_t c, int64_t dk) {
+  const int32_t kind = act & ~kActGated;
+  if (!(act & kActGated)) return act_grad_plain(kind, bf16_bits_to_f32(h_row[c]), bf16_bits_to_f32(dy_row[c]));
+  if (c < dk)
+    return act_grad_gate(kind, bf16_bits_to_f32(h_row[c]), bf16_bits_to_f32(h_row[c + dk]), bf16_bits_to_f32(dy_row[c]));
+  return act_grad_up(kind, bf16_bits_to_f32(h_row[c - dk]), bf16_bits_to_f32(dy_row[c - dk]));
+}
 
 }  // namespace jaxhq

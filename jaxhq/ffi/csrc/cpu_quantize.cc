@@ -160,23 +160,11 @@ float copy_scalar(const QuantizeArgs& a, const CopySpec& s, int64_t b, int side)
 }  // namespace
 
 void act_grad_cpu(const void* h, const void* dy, int32_t act, int64_t rows, int64_t k, uint16_t* out) {
-  const int32_t kind = act & ~kActGated;
-  const bool gated = act & kActGated;
-  const int64_t dk = gated ? k / 2 : k;  // dy's columns
-  const uint16_t* hb = static_cast<const uint16_t*>(h);
-  const uint16_t* db = static_cast<const uint16_t*>(dy);
-  const auto f = [](uint16_t v) { return bf16_bits_to_f32(v); };
-  for (int64_t row = 0; row < rows; ++row) {
-    const uint16_t* hr = hb + row * k;
-    const uint16_t* dr = db + row * dk;
-    for (int64_t c = 0; c < k; ++c) {
-      float g;
-      if (!gated) g = act_grad_plain(kind, f(hr[c]), f(dr[c]));
-      else if (c < dk) g = act_grad_gate(kind, f(hr[c]), f(hr[c + dk]), f(dr[c]));
-      else g = act_grad_up(kind, f(hr[c - dk]), f(dr[c - dk]));
-      out[row * k + c] = f32_to_bf16_bits(g);
-    }
-  }
+  const int64_t dk = (act & kActGated) ? k / 2 : k;  // dy's columns
+  for (int64_t row = 0; row < rows; ++row)
+    for (int64_t c = 0; c < k; ++c)
+      out[row * k + c] = f32_to_bf16_bits(act_grad_at(act, static_cast<const uint16_t*>(h) + row * k,
+                                                      static_cast<const uint16_t*>(dy) + row * dk, c, dk));
 }
 
 void quantize_cpu(const QuantizeArgs& a) {

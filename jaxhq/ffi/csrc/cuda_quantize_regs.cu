@@ -164,8 +164,7 @@ __device__ JHQ_NOINLINE uint4 act_grad8_pair(int32_t kind, uint4 gq, uint4 uq, u
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const float g = bf16_bits_to_f32(uint16_t(gw[i] >> (16 * e))), d = bf16_bits_to_f32(uint16_t(dw[i] >> (16 * e)));
-      a[e] = act_grad_gate(kind, g, bf16_bits_to_f32(uint16_t(uw[i] >> (16 * e))), d);
-      c[e] = act_grad_up(kind, g, d);
+      act_grad_gate_up(kind, g, bf16_bits_to_f32(uint16_t(uw[i] >> (16 * e))), d, a[e], c[e]);
     }
     o[i] = bf16_pair(a[0], a[1]);
     q[i] = bf16_pair(c[0], c[1]);
@@ -181,14 +180,10 @@ __host__ __device__ inline bool paired_tiles(const Params& p) {
 }
 constexpr int kStashWords = 32 * kThreads;  // 32 words (an 8x8 bf16 block) per thread, word i of thread t at i * 256 + t
 
-// One element of the gradient at (row, column c) of h [., k] (dy: [., dk]), unrounded (partial blocks).
-__device__ JHQ_NOINLINE float act_grad_at(int32_t act, const uint16_t* h_row, const uint16_t* dy_row, int64_t c,
-                                             int64_t dk) {
-  const int32_t kind = act & ~kActGated;
-  const auto at = [](const uint16_t* q, int64_t i) { return bf16_bits_to_f32(q[i]); };
-  if (!(act & kActGated)) return act_grad_plain(kind, at(h_row, c), at(dy_row, c));
-  if (c < dk) return act_grad_gate(kind, at(h_row, c), at(h_row, c + dk), at(dy_row, c));
-  return act_grad_up(kind, at(h_row, c - dk), at(dy_row, c - dk));
+// activation.h's act_grad_at kept out of line (partial blocks call it per element).
+__device__ JHQ_NOINLINE float act_grad_elem(int32_t act, const uint16_t* h_row, const uint16_t* dy_row, int64_t c,
+                                           int64_t dk) {
+  return act_grad_at(act, h_row, dy_row, c, dk);
 }
 
 // load_block's 8x8 block of the activation's gradient (p.act) instead of x's, from h (x's place) and dy. A block
@@ -229,7 +224,7 @@ __device__ __forceinline__ void load_block_act_grad(const Params& p, int64_t b, 
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int64_t rr = r + j, cc = c + 2 * i + e;
-        v[e] = rr < m && cc < k ? act_grad_at(p.act, h + rr * k, dy + rr * dk, cc, dk) : 0.0f;
+        v[e] = rr < m && cc < k ? act_grad_elem(p.act, h + rr * k, dy + rr * dk, cc, dk) : 0.0f;
       }
       w[j][i] = bf16_pair(v[0], v[1]);
     }
@@ -276,8 +271,8 @@ __device__ __forceinline__ void load_block_act_grad_pair(const Params& p, int64_
       for (int e = 0; e < 2; ++e) {
         const int64_t rr = r + j, cc = c + 2 * i + e;
         const bool in = rr < m && cc < dk;
-        v[e] = in ? act_grad_at(p.act, h + rr * k, dy + rr * dk, cc, dk) : 0.0f;
-        u[e] = in ? act_grad_at(p.act, h + rr * k, dy + rr * dk, cc + dk, dk) : 0.0f;
+        v[e] = in ? act_grad_elem(p.act, h + rr * k, dy + rr * dk, cc, dk) : 0.0f;
+        u[e] = in ? act_grad_elem(p.act, h + rr * k, dy + rr * dk, cc + dk, dk) : 0.0f;
       }
       w[j][i] = bf16_pair(v[0], v[1]);
       stash[(4 * j + i) * kThreads + threadIdx.x] = bf16_pair(u[0], u[1]);
@@ -301,7 +296,7 @@ __global__ void act_grad_kernel(const uint16_t* __restrict__ h, const uint16_t* 
       const uint4 uq = part == 1 ? __ldg(reinterpret_cast<const uint4*>(hr + hc + dk)) : hq;
       *reinterpret_cast<uint4*>(out + row * k + c) = act_grad8(act & ~kActGated, part, hq, uq, dq);
     } else {
-      for (int64_t cc = c; cc < c + 8 && cc < k; ++cc) out[row * k + cc] = f32_to_bf16_bits(act_grad_at(act, hr, dr, cc, dk));
+      for (int64_t cc = c; cc < c + 8 && cc < k; ++cc) out[row * k + cc] = f32_to_bf16_bits(act_grad_elem(act, hr, dr, cc, dk));
     }
   }
 }
@@ -478,7 +473,7 @@ std::string launch_act_grad(const void* h, const void* dy, int32_t act, int64_t 
                             void* stream) {
   const int64_t n = rows * ((k + 7) / 8);
   if (n == 0) return std::string();
-  const unsigned blocks = unsigned(std::min<int64_t>((n + 255) / 256, 132 * 16));
+  const unsigned blocks = unsigned(std::min<int64_t>((n + 255) / 256, int64_t(1) << 30));  // a grid-stride loop
   launch_kernel(act_grad_kernel, dim3(blocks), dim3(256), 0, static_cast<cudaStream_t>(stream),
                 static_cast<const uint16_t*>(h), static_cast<const uint16_t*>(dy), act, rows, k, out);
   return cuda_status();
