@@ -304,25 +304,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
 
-      if constexpr (kJ == 0) {
-        const float alpha = p.alpha_a[0] * p.alpha_b[group];
-#pragma unroll
-        for (int i = 0; i < 64; ++i) acc[i] *= alpha;
-      }
-      const void* bias = p.bias;
-      const int64_t bias_off = group * p.n;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int64_t row = row0 + cw * 64 + rl + 8 * h;
-        if (row >= row_end) continue;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const int64_t col = n0 + 8 * i + cl;
-          if (col >= p.n) continue;
-          store_pair<kF32>(p.out, row * p.n + col, acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1], bias, bias_off + col,
-                           p.accumulate != 0);
-        }
-      }
+      const float alpha = kJ == 0 ? p.alpha_a[0] * p.alpha_b[group] : 1.0f;  // per-tensor scales
+      store_fragment<kF32>(p, acc, row0 + cw * 64 + rl, row_end, n0 + cl, alpha, group * p.n);
       q += ktiles;
     }
   }

@@ -14,10 +14,10 @@
 //
 // Exactness: the decoded operand is e2m1 * scale * 2^-8, exact in fp16 (nvfp4_decode.cuh), and products of fp16
 // operands are exact in the tensor core, so the result is the dequantize path's up to summation order; the
-// epilogue multiplies by 2^16 (exact) and then by the two global decodes, as that path's alpha does. The decode
-// writes the eight elements of a 32-bit code word in the order 0, 4, 1, 5, 2, 6, 3, 7 (two shifts and a mask per
-// fp16 pair), and a thread's A fragment (K pairs 2c, 2c + 1 and 2c + 8, 2c + 9 of a k16 step) takes codes c, c + 4
-// of the block's two words: A and B are permuted alike, so the contraction is unchanged.
+// epilogue multiplies by 2^16 times the two global decodes (2^16 is exact: this rounds as that path's alpha). The
+// decode writes the eight elements of a 32-bit code word in the order 0, 4, 1, 5, 2, 6, 3, 7 (two shifts and a mask
+// per fp16 pair), and a thread's A fragment (K pairs 2c, 2c + 1 and 2c + 8, 2c + 9 of a k16 step) takes codes c,
+// c + 4 of the block's two words: A and B are permuted alike, so the contraction is unchanged.
 #include "fp8_wgmma.h"
 #include "nvfp4_decode.cuh"
 #include "wgmma_common.cuh"
@@ -213,19 +213,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
       for (int i = 0; i < 128; ++i) fence_operand(acc[i]);
-      const float alpha = p.alpha_a[0];
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int64_t row = row0 + cw * 64 + rl + 8 * hr;
-        if (row >= row_end) continue;
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-          const int64_t col = n0 + 8 * i + cl;
-          if (col >= p.n) continue;
-          store_pair<kF32>(p.out, row * p.n + col, acc[4 * i + 2 * hr] * 65536.0f * alpha,
-                           acc[4 * i + 2 * hr + 1] * 65536.0f * alpha, p.bias, col, p.accumulate != 0);
-        }
-      }
+      // 2^16 undoes the operands' 2^-8 each
+      store_fragment<kF32>(p, acc, row0 + cw * 64 + rl, row_end, n0 + cl, 65536.0f * p.alpha_a[0], 0);
     }
   }
 #endif

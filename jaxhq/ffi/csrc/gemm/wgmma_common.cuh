@@ -178,6 +178,24 @@ __device__ __forceinline__ void store_pair(void* out, int64_t idx, float v0, flo
   }
 }
 
+// A consumer warpgroup's accumulator fragment (wgmma's m64 layout: acc[4i + 2h], acc[4i + 2h + 1] at row + 8h,
+// columns col + 8i and + 1) times `scale`, stored with store_pair; rows from row_end and columns from N on skipped,
+// bias read at bias_off + the column.
+template <bool kF32, int kAcc>
+__device__ __forceinline__ void store_fragment(const Params& p, const float (&acc)[kAcc], int64_t row,
+                                               int64_t row_end, int64_t col, float scale, int64_t bias_off) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (row + 8 * h >= row_end) continue;
+#pragma unroll
+    for (int i = 0; i < kAcc / 4; ++i) {
+      if (col + 8 * i >= p.n) continue;
+      store_pair<kF32>(p.out, (row + 8 * h) * p.n + col + 8 * i, acc[4 * i + 2 * h] * scale,
+                       acc[4 * i + 2 * h + 1] * scale, p.bias, bias_off + col + 8 * i, p.accumulate != 0);
+    }
+  }
+}
+
 inline PFN_cuTensorMapEncodeTiled_v12000 encode_fn(std::string* err) {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
   static std::once_flag once;
