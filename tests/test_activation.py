@@ -301,14 +301,12 @@ def test_dense_activation_fuses_and_matches_unfused(activation, monkeypatch):
 
 @needs_cpu_kernels
 def test_act_grad_path_switch(monkeypatch):
-    """JAXHQ_QUANTIZE_PATH act_grad=xla (the default outside JAXHQ_KERNELS=all) computes the gradient first: no
-    launch takes h and dy. The two gradients differ within 2^-6 of the terms' size (the CPU handler's exact
+    """JAXHQ_QUANTIZE_PATH act_grad=xla (MXFP8's default outside JAXHQ_KERNELS=all) computes the gradient first:
+    no launch takes h and dy. The two gradients differ within 2^-6 of the terms' size (the CPU handler's exact
     float32 against XLA differentiating jax.nn.silu in bfloat16, test_oracle_rounds_like_jax_autodiff), so their
     MXFP8 copies differ by that plus at most two E4M3 steps where it moves a code or its block's scale (2^-3
     relative each)."""
     from jaxhq.formats import MXFP8, quantize
-    from jaxhq.formats.quantize import DEFAULT_PATHS
-    assert DEFAULT_PATHS["act_grad"] == "xla"
     monkeypatch.setenv("JAXHQ_KERNELS", "all")
     h, dy = _inputs(jax.random.key(next(_seed)), 32, 64, "swiglu")
     run = jax.jit(lambda h, dy: quantize(A.input_grad(h, dy, "swiglu"), MXFP8()))
@@ -321,6 +319,30 @@ def test_act_grad_path_switch(monkeypatch):
     a, b = _f32(fused.dequantize("rowwise")), _f32(plain.dequantize("rowwise"))
     assert np.all(np.abs(a - b) <= 0.25 * np.maximum(np.abs(a), np.abs(b)) + 2.0 ** -6 * _size(h, dy, "swiglu"))
     assert np.mean(a != b) < 0.25  # mostly the same codes
+
+
+@needs_cpu_kernels
+def test_act_grad_path_per_family(monkeypatch):
+    """The default takes the launch for the FP8 families and computes MXFP8's gradient in XLA; a Hybrid takes it
+    only where both sides' families do."""
+    from jaxhq.formats import MXFP8, Float8Block, Float8DelayedScaling, Hybrid, quantize
+    from jaxhq.formats.quantize import DEFAULT_PATHS, act_grad_path
+    monkeypatch.delenv("JAXHQ_QUANTIZE_PATH", raising=False)
+    monkeypatch.setenv("JAXHQ_KERNELS", "gpu")
+    both = ("rowwise", "columnwise")
+    assert [act_grad_path(q, both) for q in (Float8Block(), Float8DelayedScaling(), MXFP8(),
+                                             Hybrid(Float8Block(), MXFP8()))] == ["kernel", "kernel", "xla", "xla"]
+    assert act_grad_path(Hybrid(Float8Block(), MXFP8()), ("rowwise",)) == "kernel"
+    monkeypatch.setenv("JAXHQ_KERNELS", "all")  # the CPU handlers take the launch, under the default's choice
+    monkeypatch.setenv("JAXHQ_QUANTIZE_PATH", f"act_grad={DEFAULT_PATHS['act_grad']}")
+    h, dy = _inputs(jax.random.key(next(_seed)), 32, 256, "swiglu")
+    act = f"act = {A.kernel_id('swiglu')} : i32"
+    for q, launch in ((Float8Block(), True), (MXFP8(), False), (Hybrid(Float8Block(), MXFP8()), False)):
+        run = jax.jit(lambda h, dy, q=q: quantize(A.input_grad(h, dy, "swiglu"), q))
+        assert (act in run.lower(h, dy).as_text()) == launch, q
+    monkeypatch.setenv("JAXHQ_QUANTIZE_PATH", "act_grad=fp8_block+mxfp9")
+    with pytest.raises(ValueError, match="act_grad also takes families"):
+        act_grad_path(MXFP8(), both)
 
 
 def test_amax_formats_fall_back_to_the_gradient(monkeypatch):
@@ -367,7 +389,7 @@ def _gpus():
         return []
 
 
-# aligned tiles (gated: a gate and its up tile per CTA); partial row tiles of those; partial column tiles (gated
+# aligned tiles (gated FP8 formats: a gate and its up tile per CTA); partial row tiles of those; partial column tiles (gated
 # halves not whole tiles); gated halves that are not a multiple of 8 (no vector loads)
 GPU_SHAPES = [(256, 512), (300, 512), (300, 400), (130, 200)]
 

@@ -114,26 +114,39 @@ def kernel_platforms() -> tuple:
 # Hadamard side always comes from the kernel, in the same pass as the plain one). XLA's won: fp8_current step
 # 37.1 against 38.6 ms, nvfp4 68.4 against 68.7 ms.
 # "act_grad": an activation's input gradient (ActivationGrad) quantized by the kernel from h and dy ("kernel",
-# where one takes them) or computed by XLA first and then quantized ("xla"). XLA's won in the step: the launch is
-# 1.04-1.20x faster than XLA's gradient plus the quantize kernel at fc1's shape, but the H100-preset step did not
-# move (mxfp8 49.4 against 48.1 ms, fp8_block 37.7 / 37.5, fp8_delayed 32.9 / 32.6; docs/ffi.md).
+# where one takes them) or computed by XLA first and then quantized ("xla"), or the families ('+'-joined) whose
+# copies take the launch. The FP8 ones do: the launch is 1.1-1.25x faster than XLA's gradient plus the quantize
+# kernel at fc1's shape, and in the H100-preset step's profile it takes 0.21-0.28 ms a step off the device's busy
+# time (fp8_delayed, fp8_block); MXFP8's decoded copies gained nothing there (within 0.01 ms) and took 0.22 GiB
+# more peak memory, so XLA computes its gradient (docs/ffi.md).
 DEFAULT_PATHS = {"fp8": "kernel", "fp8_delayed": "kernel", "mxfp8": "kernel", "nvfp4": "kernel",
-                 "fp8_block": "kernel", "amax": "xla", "act_grad": "xla"}
+                 "fp8_block": "kernel", "amax": "xla", "act_grad": "fp8+fp8_delayed+fp8_block"}
+FAMILIES = ("fp8", "fp8_delayed", "mxfp8", "nvfp4", "fp8_block")  # format families (Quantizer.name)
 
 
 def quantize_paths() -> dict:
     """DEFAULT_PATHS (every family on the kernel under JAXHQ_KERNELS=all, the tests' mode) with
-    JAXHQ_QUANTIZE_PATH applied: "fp8=kernel,mxfp8=xla" or "all=xla" (comma-separated)."""
+    JAXHQ_QUANTIZE_PATH applied: "fp8=kernel,mxfp8=xla", "all=xla" or "act_grad=fp8_block+mxfp8" (comma-separated)."""
     every_kernel = os.environ.get("JAXHQ_KERNELS", "gpu").lower() == "all"
     paths = {f: "kernel" for f in DEFAULT_PATHS} if every_kernel else dict(DEFAULT_PATHS)
     spec = os.environ.get("JAXHQ_QUANTIZE_PATH", "").strip()
     for item in filter(None, (t.strip() for t in spec.split(","))):
         fam, _, path = item.partition("=")
-        if path not in ("kernel", "xla") or (fam != "all" and fam not in paths):
+        families = fam == "act_grad" and set(path.split("+")) <= set(FAMILIES)
+        if (path not in ("kernel", "xla") and not families) or (fam != "all" and fam not in paths):
             raise ValueError(f"JAXHQ_QUANTIZE_PATH: {item!r} is not FAMILY=kernel|xla with FAMILY in "
-                             f"{sorted(paths)} or 'all'")
+                             f"{sorted(paths)} or 'all' (act_grad also takes families joined by '+')")
         paths.update({f: path for f in paths} if fam == "all" else {fam: path})
     return paths
+
+
+def act_grad_path(q: Quantizer, usage: tuple) -> str:
+    """How an activation's gradient is quantized with q (normalized) into `usage`: "kernel" (its copies made by
+    one launch from h and dy, where a kernel takes them) or "xla" (the gradient computed first)."""
+    path = quantize_paths()["act_grad"]
+    if path in ("kernel", "xla"):
+        return path
+    return "kernel" if all(side(q, a).name in path.split("+") for a in usage) else "xla"
 
 
 def copy_path(q: Quantizer, axis: str, platform: str) -> str:
@@ -184,7 +197,7 @@ def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=
     if isinstance(x, ActivationGrad):
         if transposed or cast_to is not None:
             raise QuantizationError("an activation's gradient is quantized as it is (no transpose or cast)")
-        if quantize_paths()["act_grad"] == "kernel":
+        if act_grad_path(q, usage) == "kernel":
             with jax.named_scope(QUANTIZE_SCOPE):
                 qt = _activation_grad_copies(x, q, usage, key, state, amax, decoded)
             if qt is not None:

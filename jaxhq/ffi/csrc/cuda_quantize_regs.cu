@@ -178,6 +178,10 @@ __device__ JHQ_NOINLINE uint4 act_grad8_pair(int32_t kind, uint4 gq, uint4 uq, u
 __host__ __device__ inline bool paired_tiles(const Params& p) {
   return (p.act & kActGated) && (p.k / 2) % kTile == 0;
 }
+// Not MXFP8's instantiation: it spilled with a pair's second block in flight at three CTAs per SM (0.6x the launch
+// of one tile per CTA, docs/ffi.md), so it makes one tile per CTA (the pair code is not compiled into it).
+template <bool kAct, int F>
+constexpr bool kPairs = kAct && F != kMxfp8;
 constexpr int kStashWords = 32 * kThreads;  // 32 words (an 8x8 bf16 block) per thread, word i of thread t at i * 256 + t
 
 // activation.h's act_grad_at kept out of line (partial blocks call it per element).
@@ -390,7 +394,7 @@ __device__ __forceinline__ void encode_tile(const Params& p, RegSmem& sm, int64_
 }
 
 // kAct: the copies are of the activation's gradient (load_block_act_grad; In is bfloat16, h's type); a gated one
-// whose halves are whole tiles makes a gate tile and its up tile per CTA (paired_tiles).
+// whose halves are whole tiles makes a gate tile and its up tile per CTA (paired_tiles; kPairs: the FP8 formats).
 template <typename In, typename T, int F0, int F1, bool kAct = false>
 __global__ void __launch_bounds__(kThreads, kAct ? 3 : kMinBlocks<In>) quantize_regs_kernel(Params p) {
   RegSmem& sm = *dynamic_smem<RegSmem>();
@@ -400,7 +404,7 @@ __global__ void __launch_bounds__(kThreads, kAct ? 3 : kMinBlocks<In>) quantize_
   const int rg = 4 * (warp & 3) + (lane >> 3), cg = 8 * (warp >> 2) + (lane & 7);
   const In* x = static_cast<const In*>(p.x) + b * p.m * p.k;
   const bool vec = r0 + kTile <= p.m && c0 + kTile <= p.k && p.k % 8 == 0;  // the same for the whole CTA
-  const bool paired = kAct && paired_tiles(p);
+  const bool paired = kPairs<kAct, F0> && paired_tiles(p);
   uint32_t* stash = reinterpret_cast<uint32_t*>(&sm + 1);  // kAct: the up block of a paired gate block
 
   uint32_t w[8][4];
@@ -420,10 +424,10 @@ __global__ void __launch_bounds__(kThreads, kAct ? 3 : kMinBlocks<In>) quantize_
 
 template <typename In, typename T, int F0, int F1, bool kAct = false>
 std::string launch_pair(const Params& p, int64_t batch, cudaStream_t s) {
-  const bool paired = kAct && paired_tiles(p);  // a CTA per gate tile, which makes its up tile too
+  const bool paired = kPairs<kAct, F0> && paired_tiles(p);  // a CTA per gate tile, which makes its up tile too
   const int64_t cols = paired ? p.k / 2 : p.k;
   dim3 grid(unsigned((cols + kTile - 1) / kTile), unsigned((p.m + kTile - 1) / kTile), unsigned(batch));
-  const size_t smem = sizeof(RegSmem) + (kAct ? sizeof(uint32_t) * kStashWords : 0);
+  const size_t smem = sizeof(RegSmem) + (paired ? sizeof(uint32_t) * kStashWords : 0);
   launch_kernel(quantize_regs_kernel<In, T, F0, F1, kAct>, grid, dim3(kThreads), smem, s, p);
   return cuda_status();
 }
