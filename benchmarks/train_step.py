@@ -1,18 +1,19 @@
 """One training step of a GPT-style stack under each recipe, against bf16 from the same run.
 
-For every recipe: the jitted forward + backward + AdamW step (state donated), timed after warm-up as the
-training loop runs it, --steps steps dispatched back to back (median of 3 such windows; `step_sync_ms`, the
-median with a device sync after every step, adds the host's dispatch time to each step); tokens/s; model FLOP utilisation (6 N T for the dense layers plus
-6 L B S^2 d for causal attention, over the GPU's dense bf16 peak); the compiled program's memory (arguments +
-temporaries + outputs - donated aliases); and where the time goes, from a profile of the compiled step
-itself (step_profile.py): quantization (with any producer XLA fused into it), GEMMs, attention, the rest, the
-idle gap (the time between a step's kernels in a profile of the timed CUDA-graph executable run back to back),
-and kernels per step. --paths runs each quantized recipe with the quantization made by the FFI
-kernels or by XLA's fusion of the reference (JAXHQ_QUANTIZE_PATH), to choose the default per format.
---rounds R > 1 times every recipe R - 1 times more after all have run, in turn (a fresh state each time), so
-clock and power drift during the run hits all recipes alike: step_ms is then the median over the rounds and
-vs_bf16 the median of each round's ratio. The JSON is written after the first pass and again after every round, so
-a run cut short keeps what it timed (`meta.rounds_done`, `meta.final`); --budget-s also stops the rounds.
+For every recipe: the jitted forward + backward + AdamW step (state donated), timed after warm-up as the training
+loop runs it, --steps steps dispatched back to back (median of 3 such windows; `step_sync_ms`, the median with a
+device sync after every step, adds the host's dispatch time to each step); tokens/s; model FLOP utilisation (6 N T
+for the dense layers plus 6 L B S^2 d for causal attention, over the GPU's dense bf16 peak); the compiled program's
+memory (arguments + temporaries + outputs - donated aliases); and where the time goes, from a profile of the
+compiled step itself (step_profile.py): quantization (with any producer XLA fused into it), GEMMs, attention, the
+rest, the idle gap (the time between a step's kernels in a profile of the timed CUDA-graph executable run back to
+back), and kernels per step. --paths runs each quantized recipe with the quantization made by the FFI kernels or by
+XLA's fusion of the reference (JAXHQ_QUANTIZE_PATH), to choose the default per format. --rounds R > 1 times every
+recipe R - 1 times more after all have run, in turn, every other round in reverse order (a fresh state each time,
+warmed up for as many steps as are timed), so clock and power drift during the run, and what the recipe before left
+the card in, hit all recipes alike: step_ms is then the median over the rounds and vs_bf16 the median of each
+round's ratio. The JSON is written after the first pass and again after every round, so a run cut short keeps what
+it timed (`meta.rounds_done`, `meta.final`); --budget-s also stops the rounds.
 
     python benchmarks/train_step.py                    # on a GPU, the H100 preset: d 4096, FFN 14336 gated, 32 heads, seq 4096
     python benchmarks/train_step.py --preset quick     # a smaller stack for a quick look
@@ -122,9 +123,9 @@ def _run(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split
         st = back_to_back_n(st, steps)
         return st, (time.perf_counter() - t) / steps
 
-    def window() -> float:  # a later round: a fresh state, warmed up
+    def window() -> float:  # a later round: a fresh state, warmed up as long as it is timed
         st = S.create(model, tx)
-        for _ in range(warmup):
+        for _ in range(max(warmup, steps)):
             st, _ = timed(st, batch_d)
         return back_to_back(jax.block_until_ready(st))[1]
 
@@ -221,7 +222,7 @@ def main():
         if a.budget_s is not None and time.perf_counter() - t_start > a.budget_s:
             print(f"  rounds stopped after {i} (time budget)", flush=True)
             break
-        for r, window in zip(rows, windows):
+        for r, window in list(zip(rows, windows))[::-1 if i % 2 else 1]:  # each recipe after others in turn
             r["step_ms_rounds"].append(1e3 * window())
         print(f"  round {i}: " + "  ".join(f"{r['recipe']} {r['step_ms_rounds'][-1]:.2f}" for r in rows), flush=True)
         save(final=False)
