@@ -8,7 +8,7 @@ from typing import Iterable
 import jax
 
 from .formats import COLUMNWISE, ROWWISE, side
-from .formats.quantize import copy_path
+from .formats.quantize import act_grad_path, copy_path
 from .ops.gemm import decoded_copies, shares_transposed_copy
 from .recipes import CustomRecipe, get
 from .roles import QuantizerRole
@@ -23,8 +23,9 @@ class PlanRow:
     rowwise: str
     columnwise: str
     path: str = ""  # how the copies are made here: "kernel" (+"decoded": bf16 values for a GEMM that dequantizes,
-    # jaxhq.ops.gemm.decoded_copies) or "xla" per copy, "rowwise|columnwise"; "rowwise.T": the columnwise copy is
-    # the rowwise one read transposed (jaxhq.ops.gemm.shares_transposed_copy)
+    # jaxhq.ops.gemm.decoded_copies; +"act": an activation's gradient, made from the activation's input and output
+    # gradient in the same launch, jaxhq.ops.activation) or "xla" per copy, "rowwise|columnwise"; "rowwise.T": the
+    # columnwise copy is the rowwise one read transposed (jaxhq.ops.gemm.shares_transposed_copy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +53,14 @@ class Plan:
 
 def plan(recipe, roles_or_model: Iterable[QuantizerRole] = (), *example_inputs) -> Plan:
     """Plan of a recipe over a list of roles, or over a Flax model traced with `example_inputs`."""
+    from .ffi.dispatch import takes_act_grad
     rec: CustomRecipe = get(recipe)
+    acts = set()  # grad_output roles that are an activation's gradient (known from a traced model)
     if hasattr(roles_or_model, "apply"):
-        from .layers.introspect import model_roles
-        roles = model_roles(roles_or_model, rec, *example_inputs)
+        from .layers.introspect import model_slots, roles_of
+        slots = model_slots(roles_or_model, rec, *example_inputs)
+        roles = roles_of(slots)
+        acts = {s.role for _, ss in slots for s in ss if s.activation}
     else:
         roles = list(roles_or_model)
     platform = "cpu" if jax.default_backend() == "cpu" else "cuda"
@@ -67,12 +72,15 @@ def plan(recipe, roles_or_model: Iterable[QuantizerRole] = (), *example_inputs) 
         decoded = decoded_copies(q, now) if role.module_type == "linear" else ()
 
         shared = role.module_type == "linear" and role.tensor_type == "weight" and shares_transposed_copy(q)
+        both = (ROWWISE, COLUMNWISE)
+        act = (role in acts and act_grad_path(q, both) == "kernel" and takes_act_grad(q, both, platform) and
+               all(copy_path(q, a, platform) == "kernel" for a in both))
 
         def how(a):
             p = copy_path(q, a, platform)
             if a == COLUMNWISE and shared and p == "kernel":
                 return "rowwise.T"
-            return p + "+decoded" if p == "kernel" and a in decoded else p
-        path = "|".join(how(a) if side(q, a).name != "identity" else "-" for a in (ROWWISE, COLUMNWISE))
+            return p + ("+decoded" if p == "kernel" and a in decoded else "") + ("+act" if act else "")
+        path = "|".join(how(a) if side(q, a).name != "identity" else "-" for a in both)
         rows.append(PlanRow(role, side(q, ROWWISE).label, side(q, COLUMNWISE).label, path))
     return Plan(rec.name, tuple(rows))

@@ -381,6 +381,19 @@ def test_gpu_takes_one_fp8_format_on_both_sides():
     assert not act_grad_on_gpu({"rowwise": (P.NVFP4, 0), "columnwise": (P.NVFP4, 0)})
 
 
+def test_which_quantizers_take_the_launch():
+    """takes_act_grad (what jaxhq.plan shows): no side may need a per-tensor amax first; the GPU takes one format
+    on both sides, the CPU any pair."""
+    from jaxhq.ffi.dispatch import takes_act_grad
+    from jaxhq.formats import MXFP8, NVFP4, Float8Block, Float8CurrentScaling, Float8DelayedScaling, Hybrid
+    for q in (Float8Block(), Float8DelayedScaling(), MXFP8()):
+        assert takes_act_grad(q, platform="cuda") and takes_act_grad(q, platform="cpu"), q
+    for q in (Float8CurrentScaling(), NVFP4(), Hybrid(MXFP8(), NVFP4())):
+        assert not takes_act_grad(q, platform="cpu"), q
+    mixed = Hybrid(MXFP8(), Float8Block())
+    assert takes_act_grad(mixed, platform="cpu") and not takes_act_grad(mixed, platform="cuda")
+
+
 # -- GPU: the kernel against the CPU handler, bit for bit -----------------------------------------------------
 def _gpus():
     try:

@@ -111,6 +111,27 @@ def test_plan_shows_a_weight_copy_read_transposed(kernels_everywhere):
     assert "kernel+decoded|kernel" in str(jaxhq.plan("nvfp4", [role]))
 
 
+def test_plan_shows_the_activation_launch(kernels_everywhere):
+    """fc1 of an MLP whose activation it owns (no bias): its grad_output copies come out of the activation
+    gradient's launch for the default's families (FP8 blockwise, delayed scaling), not for MXFP8 (XLA's
+    gradient by default) or current scaling (an amax first); with a bias, XLA computes the gradient."""
+    from jaxhq.layers import LayerNormMLP
+    kernels_everywhere.setenv("JAXHQ_QUANTIZE_PATH", f"act_grad={DEFAULT_PATHS['act_grad']}")
+    x = jnp.ones((1, 128, 256), jnp.bfloat16)
+
+    def fc1_grad_path(recipe, bias=False):
+        mlp = LayerNormMLP(d_ff=128, activation="swiglu", use_bias=bias, recipe=jaxhq.recipes.get(recipe))
+        rows = jaxhq.plan(recipe, mlp, x).rows
+        return {(r.role.name, r.role.tensor_type): r.path for r in rows}
+
+    for recipe, want in (("fp8_block", "kernel+act|kernel+act"), ("fp8_delayed", "kernel+act|kernel+act"),
+                         ("mxfp8", "kernel+decoded|kernel+decoded"), ("fp8_current", "kernel|kernel")):
+        paths = fc1_grad_path(recipe)
+        assert paths[("fc1", "grad_output")] == want, recipe
+        assert "act" not in paths[("fc2", "grad_output")] and "act" not in paths[("fc1", "input")]
+    assert fc1_grad_path("fp8_block", bias=True)[("fc1", "grad_output")] == "kernel|kernel"
+
+
 def test_delayed_scaling_takes_its_amax_from_the_quantize_kernel(kernels_everywhere):
     """Delayed scaling knows its scale beforehand: the quantize kernel also writes max |x| from the values it
     reads, so the program has no amax pass of its own (no reduce over x, no jaxhq_amax), and the recorded amax

@@ -102,7 +102,7 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     # transformed one); delayed scaling's scale is known beforehand, so its amax (for the history) comes out of
     # the quantize kernel itself, from the values it reads anyway: no pass of its own.
     delayed = {a for a, v in ids.items() if v is not None and isinstance(side(quantizer, a), Float8DelayedScaling)}
-    need_amax = any(v is not None and v[0] in (P.FP8_TENSOR, P.NVFP4) and a not in delayed for a, v in ids.items())
+    need_amax = _needs_amax(quantizer, ids)
     need_rht = any(v is not None and v[0] == P.NVFP4 and v[1] & P.OPT_RHT for v in ids.values())
     if act_grad is not None and need_amax and amax is None:  # the amax kernels read x itself
         return None
@@ -197,6 +197,23 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
         out[a] = Storage(data=data, scale_inv=sc, amax=amaxes.get(a), quantizer=q, axis=a, shape=shape,
                          decoded=bool(v[1] & P.OPT_DECODED))
     return out
+
+
+def _needs_amax(quantizer, ids: dict) -> bool:
+    """Whether a side reads a per-tensor amax before quantizing: FP8 current scaling and NVFP4 (delayed scaling
+    knows its scale beforehand)."""
+    return any(v is not None and v[0] in (P.FP8_TENSOR, P.NVFP4) and
+               not isinstance(side(quantizer, a), Float8DelayedScaling) for a, v in ids.items())
+
+
+def takes_act_grad(quantizer, usage=USAGES, platform: str = "cuda") -> bool:
+    """Whether quantize_copies makes these copies of an activation's gradient in one launch from bf16 h and dy
+    (no per-tensor amax given): every side a kernel format that needs no amax first, and on the GPU
+    act_grad_on_gpu."""
+    ids = {a: format_id(side(quantizer, a), a) for a in usage}
+    if any(v is None for v in ids.values()) or _needs_amax(quantizer, ids):
+        return False
+    return platform != "cuda" or act_grad_on_gpu(ids)
 
 
 def act_grad_on_gpu(ids: dict) -> bool:

@@ -36,7 +36,8 @@ def quantized_dense(m: nn.Module, x, kernel, bias, *, recipe: CustomRecipe, path
                     module_type: str = "linear", activation: Optional[str] = None):
     """`x @ kernel + bias` through `jaxhq.ops.dense` with the roles of `path`, from inside module `m` (which
     owns the delayed-scaling state and the "quant" rng), then `activation` if given. kernel is 2D [in, out]."""
-    introspect.record(path, dense_slots(path, output_role, grad_input_role, module_type))
+    introspect.record(path, dense_slots(path, output_role, grad_input_role, module_type,
+                                        activation if bias is None else None))  # a bias keeps XLA's gradient
     qs = recipe.dense_quantizers(path, module_type)
     rows = math.prod(x.shape[:-1])
     check_feature_shapes(qs, path, rows, kernel.shape[0], kernel.shape[1])

@@ -49,7 +49,11 @@ def model_slots(model, recipe: Optional[CustomRecipe], *example_inputs, rngs=Non
 def model_roles(model, recipe: Optional[CustomRecipe], *example_inputs) -> list:
     """Every role of every quantized slot of `model`, each once, grouped by module in call order (boundary
     slots without a consumer role are left out)."""
-    rec = model_slots(model, recipe, *example_inputs)
+    return roles_of(model_slots(model, recipe, *example_inputs))
+
+
+def roles_of(rec: list) -> list:
+    """model_roles of a model_slots record."""
     seen, out = set(), []
     for own in (True, False):  # each module's own roles first, in call order; then any wired-only role
         for path, slots in rec:
