@@ -121,7 +121,7 @@ def kernel_platforms() -> tuple:
 # more peak memory, so XLA computes its gradient (docs/ffi.md).
 DEFAULT_PATHS = {"fp8": "kernel", "fp8_delayed": "kernel", "mxfp8": "kernel", "nvfp4": "kernel",
                  "fp8_block": "kernel", "amax": "xla", "act_grad": "fp8+fp8_delayed+fp8_block"}
-FAMILIES = ("fp8", "fp8_delayed", "mxfp8", "nvfp4", "fp8_block")  # format families (Quantizer.name)
+FAMILIES = tuple(f for f in DEFAULT_PATHS if f not in ("amax", "act_grad"))  # format families (Quantizer.name)
 
 
 def quantize_paths() -> dict:
@@ -141,7 +141,7 @@ def quantize_paths() -> dict:
 
 
 def act_grad_path(q: Quantizer, usage: tuple) -> str:
-    """How an activation's gradient is quantized with q (normalized) into `usage`: "kernel" (its copies made by
+    """How an activation's gradient is quantized with q into `usage`: "kernel" (its copies made by
     one launch from h and dy, where a kernel takes them) or "xla" (the gradient computed first)."""
     path = quantize_paths()["act_grad"]
     if path in ("kernel", "xla"):

@@ -5,7 +5,8 @@ gradient's quantization h (the GEMM's output, kept from the forward) and dy inst
 (`formats.ActivationGrad`). Where a kernel takes them and the format's family is on the launch
 (formats.quantize.act_grad_path: FP8 blockwise and delayed scaling by default), the gradient's copies come out of
 one launch and the gradient is never written (csrc/activation.h computes it: exact float32 on the CPU, the
-hardware's approximations on the GPU); elsewhere JAX differentiates the forward, as it would without the op. The two gradients agree within bfloat16 rounding (tests/test_activation.py).
+hardware's approximations on the GPU); elsewhere JAX differentiates the forward, as it would without the op. The
+two gradients agree within bfloat16 rounding (tests/test_activation.py).
 """
 from __future__ import annotations
 
