@@ -122,9 +122,9 @@ def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False
     outs = tuple(_EMPTY if o is None else o for o in outs)
     outs += (jax.ShapeDtypeStruct(batch, jnp.float32) if want_amax else _EMPTY,)
     attrs = dict(row_fmt=np.int32(rf), row_opts=np.int32(ro), col_fmt=np.int32(cf), col_opts=np.int32(co),
-                 amax_eps=np.float32(amax_eps))
-    attrs["act"] = np.int32(act)
-    args = (x, jnp.zeros((0,), jnp.bfloat16) if dy is None else dy, scales.astype(jnp.float32), seed.astype(jnp.uint32))
+                 amax_eps=np.float32(amax_eps), act=np.int32(act))
+    dy = jnp.zeros((0,), jnp.bfloat16) if dy is None else dy
+    args = (x, dy, scales.astype(jnp.float32), seed.astype(jnp.uint32))
     if poison:
         call = jax.ffi.ffi_call("jaxhq_quantize_into", outs, vmap_method="broadcast_all",
                                 input_output_aliases={4: 0, 5: 1, 6: 2, 7: 3})

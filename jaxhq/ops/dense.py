@@ -52,7 +52,7 @@ class _Meta(tuple):
 
 def _check(x, kernel, bias, qs: DenseQuantizers, activation=None):
     where = f" (module {qs.role('input').name})" if qs.roles else ""
-    if activation is not None and act_.is_gated(activation) and kernel.shape[-1] % 2:
+    if activation is not None and act_.is_gated(activation) and kernel.shape[-1] % 2:  # is_gated checks the name
         raise ValueError(f"dense{where}: the gated activation {activation!r} halves the {kernel.shape[-1]} outputs "
                          f"of kernel of shape {tuple(kernel.shape)}: an even number is needed")
     if kernel.ndim != 2:
@@ -208,8 +208,6 @@ def dense(x, kernel, bias=None, *, quantizers: DenseQuantizers, states: Optional
     gradient from the activation's input and its output's gradient (ops.activation): where a kernel takes them,
     that gradient is never written.
     """
-    if activation is not None:
-        act_.check(activation)
     _check(x, kernel, bias, quantizers, activation)
     if weight_sharding is not None:  # trace-time: no quantization block may straddle two shards
         weight_sharding.check(quantizers.weight, kernel.shape, role=quantizers.role("weight"))

@@ -22,9 +22,9 @@ JHQ_HD float fma_act(float a, float b, float c) {
 #endif
 }
 
-// e^x. GPU: ex2.approx of x log2 e (one instruction: subnormal results flush to 0, where every use of it adds 1). CPU: x = n ln2 + r (n = rint(x log2 e), r with a two-part ln2), e^r by its
-// degree-7 Taylor polynomial (|r| <= 0.35: truncation below 2^-27), times 2^n in two exact power-of-2 steps
-// (subnormal results round once).
+// e^x. GPU: ex2.approx of x log2 e (one instruction: subnormal results flush to 0, where every use of it adds 1).
+// CPU: x = n ln2 + r (n = rint(x log2 e), r with a two-part ln2), e^r by its degree-7 Taylor polynomial
+// (|r| <= 0.35: truncation below 2^-27), times 2^n in two exact power-of-2 steps (subnormal results round once).
 JHQ_HD float exp_act(float x) {
 #if defined(__CUDA_ARCH__)
   float r;
@@ -120,8 +120,10 @@ JHQ_HD void act_grad_gate_up(int32_t kind, float g, float u, float dy, float& ga
 JHQ_HD float act_grad_at(int32_t act, const uint16_t* h_row, const uint16_t* dy_row, int64_t c, int64_t dk) {
   const int32_t kind = act & ~kActGated;
   if (!(act & kActGated)) return act_grad_plain(kind, bf16_bits_to_f32(h_row[c]), bf16_bits_to_f32(dy_row[c]));
-  if (c < dk)
-    return act_grad_gate(kind, bf16_bits_to_f32(h_row[c]), bf16_bits_to_f32(h_row[c + dk]), bf16_bits_to_f32(dy_row[c]));
+  if (c < dk) {
+    return act_grad_gate(kind, bf16_bits_to_f32(h_row[c]), bf16_bits_to_f32(h_row[c + dk]),
+                         bf16_bits_to_f32(dy_row[c]));
+  }
   return act_grad_up(kind, bf16_bits_to_f32(h_row[c - dk]), bf16_bits_to_f32(dy_row[c - dk]));
 }
 

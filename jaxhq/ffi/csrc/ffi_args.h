@@ -186,7 +186,9 @@ auto bind_quantize_outputs(B&& b) {  // row data, row scale, col data, col scale
 
 template <typename B>
 auto bind_quantize_inputs(B&& b) {  // x, dy (empty unless `act`), scales [batch, 2], seed [batch, kSeedWords]
-  return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::F32>>()
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::Buffer<ffi::U32>>();
 }
 
