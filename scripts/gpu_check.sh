@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine: build the extension with CUDA, then run the GPU tests or the benchmarks; logs and JSON go
 # to OUTDIR. Usage: scripts/gpu_check.sh tests|bench [OUTDIR]   (JAXHQ_CUDA_ARCHS=90a by default; 100a: Blackwell)
-#   tests: the kernel tests (-m gpu; the quantize tests once per kernel variant in VARIANTS, default: the default
-#          one) and the dense-op and layer tests on the GPU backend, side by side
+#   tests: the kernel tests (-m gpu; the quantize and activation-gradient tests once per kernel variant in VARIANTS,
+#          default: the default one) and the dense-op and layer tests on the GPU backend, side by side
 #   multi: (>= 2 GPUs) the sharding tests, then benchmarks/fsdp.py --gpu (FSDP_ARGS): what only a multi-GPU machine runs
 #   recheck: only the tests selected by RECHECK (a pytest -k expression over the FFI and dense-op tests)
 #   bench: (RECHECK first when set) the benchmarks named by BENCH (default "train peer gemm quantize"; also
@@ -51,7 +51,7 @@ elif [ "$MODE" = tests ]; then
   log "tests, in parallel (timeout ${T}s each)"
   for v in ${VARIANTS:-default}; do  # each variant of the quantize kernel named (read once per process)
     ( [ "$v" = default ] || export JAXHQ_QUANTIZE_VARIANT=$v
-      timeout $T $PY -m pytest -q -m gpu tests/test_ffi_gpu.py --tb=short -p no:cacheprovider >"$OUTDIR/ffi_gpu_$v.log" 2>&1 ) &
+      timeout $T $PY -m pytest -q -m gpu tests/test_ffi_gpu.py tests/test_activation.py --tb=short -p no:cacheprovider >"$OUTDIR/ffi_gpu_$v.log" 2>&1 ) &
   done
   timeout $T $PY -m pytest -q -m gpu tests/test_gemm_gpu.py --tb=short -p no:cacheprovider >"$OUTDIR/gemm_gpu.log" 2>&1 &
   timeout $T $PY -m pytest -q tests/test_dense.py tests/test_layers.py tests/test_layers_more.py --tb=short -p no:cacheprovider \

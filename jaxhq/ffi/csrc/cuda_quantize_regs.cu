@@ -191,52 +191,78 @@ __device__ JHQ_NOINLINE float act_grad_elem(int32_t act, const uint16_t* h_row, 
   return act_grad_at(act, h_row, dy_row, c, dk);
 }
 
-// The 16-byte words behind 8 gradient columns of one row (16-byte aligned; gated: half widths a multiple of 8, so
-// the 8 columns lie in one half): h's at column hc (x, or the gate g), the gate's partner u (a gate column) and
-// dy's. part: 0 plain, 1 a gate column, 2 an up column (act_grad8).
-struct ActWords {
-  uint4 h, u, dy;
-};
-__device__ __forceinline__ ActWords load_act_words(const uint16_t* h_row, const uint16_t* dy_row, int part,
-                                                   int64_t hc, int64_t dk) {
-  ActWords q;
-  q.h = __ldg(reinterpret_cast<const uint4*>(h_row + hc));
-  q.dy = __ldg(reinterpret_cast<const uint4*>(dy_row + hc));
-  q.u = part == 1 ? __ldg(reinterpret_cast<const uint4*>(h_row + hc + dk)) : q.h;
-  return q;
-}
-
 // load_block's 8x8 block of the activation's gradient (p.act) instead of x's, from h (x's place) and dy. A block
-// inside h (16-byte aligned rows; gated: half widths a multiple of 8) takes 16-byte loads, four rows' loads issued
-// before their arithmetic. kPair (paired_tiles: a gate block, columns c.. of h's first half): its up block too,
-// from the same reads of g, u and dy, into `stash` (kStashWords: word i of thread t at i * 256 + t).
-template <bool kPair>
+// inside h (16-byte aligned rows; gated: half widths a multiple of 8, so the block lies in one half) takes 16-byte
+// loads, four rows' loads issued before their arithmetic.
 __device__ __forceinline__ void load_block_act_grad(const Params& p, int64_t b, int64_t r, int64_t c, bool vec,
-                                                    uint32_t (&w)[8][4], uint32_t* stash) {
+                                                    uint32_t (&w)[8][4]) {
   const int32_t kind = p.act & ~kActGated;
   const bool gated = p.act & kActGated;
   const int64_t m = p.m, k = p.k, dk = gated ? k / 2 : k;
   const uint16_t* h = static_cast<const uint16_t*>(p.x) + b * m * k;
   const uint16_t* dy = static_cast<const uint16_t*>(p.dy) + b * m * dk;
   if (vec && (!gated || dk % 8 == 0)) {
-    const int part = kPair ? 1 : !gated ? 0 : c < dk ? 1 : 2;
-    const int64_t hc = part == 2 ? c - dk : c;     // the column of g (or x) in h, and of dy
+    const int part = !gated ? 0 : c < dk ? 1 : 2;
+    const int64_t hc = part == 2 ? c - dk : c;  // the column of g (or x) in h, and of dy
 #pragma unroll
     for (int j0 = 0; j0 < 8; j0 += 4) {
-      ActWords q[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) q[j] = load_act_words(h + (r + j0 + j) * k, dy + (r + j0 + j) * dk, part, hc, dk);
+      uint4 hq[4], dq[4], uq[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        uint4 o, up = make_uint4(0u, 0u, 0u, 0u);
-        if constexpr (kPair) o = act_grad8_pair(kind, q[j].h, q[j].u, q[j].dy, up);
-        else o = act_grad8(kind, part, q[j].h, q[j].u, q[j].dy);
-        const uint32_t ow[4] = {o.x, o.y, o.z, o.w}, uw[4] = {up.x, up.y, up.z, up.w};
+        hq[j] = __ldg(reinterpret_cast<const uint4*>(h + (r + j0 + j) * k + hc));
+        dq[j] = __ldg(reinterpret_cast<const uint4*>(dy + (r + j0 + j) * dk + hc));
+        uq[j] = part == 1 ? __ldg(reinterpret_cast<const uint4*>(h + (r + j0 + j) * k + hc + dk)) : hq[j];
+      }
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          w[j0 + j][i] = ow[i];
-          if constexpr (kPair) stash[(4 * (j0 + j) + i) * kThreads + threadIdx.x] = uw[i];
-        }
+      for (int j = 0; j < 4; ++j) {
+        const uint4 o = act_grad8(kind, part, hq[j], uq[j], dq[j]);
+        w[j0 + j][0] = o.x, w[j0 + j][1] = o.y, w[j0 + j][2] = o.z, w[j0 + j][3] = o.w;
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float v[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t rr = r + j, cc = c + 2 * i + e;
+        v[e] = rr < m && cc < k ? act_grad_elem(p.act, h + rr * k, dy + rr * dk, cc, dk) : 0.0f;
+      }
+      w[j][i] = bf16_pair(v[0], v[1]);
+    }
+}
+
+// load_block_act_grad for a gate block (columns c.. of h's first half) and its up block, a whole tile pair inside h
+// or not: the gate block into w, the up block into `stash` (kStashWords: word i of thread t at i * 256 + t).
+__device__ __forceinline__ void load_block_act_grad_pair(const Params& p, int64_t b, int64_t r, int64_t c, bool vec,
+                                                         uint32_t (&w)[8][4], uint32_t* stash) {
+  const int32_t kind = p.act & ~kActGated;
+  const int64_t m = p.m, k = p.k, dk = k / 2;
+  const uint16_t* h = static_cast<const uint16_t*>(p.x) + b * m * k;
+  const uint16_t* dy = static_cast<const uint16_t*>(p.dy) + b * m * dk;
+  if (vec) {
+#pragma unroll
+    for (int j0 = 0; j0 < 8; j0 += 4) {
+      uint4 gq[4], dq[4], uq[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        gq[j] = __ldg(reinterpret_cast<const uint4*>(h + (r + j0 + j) * k + c));
+        uq[j] = __ldg(reinterpret_cast<const uint4*>(h + (r + j0 + j) * k + c + dk));
+        dq[j] = __ldg(reinterpret_cast<const uint4*>(dy + (r + j0 + j) * dk + c));
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint4 up;
+        const uint4 o = act_grad8_pair(kind, gq[j], uq[j], dq[j], up);
+        w[j0 + j][0] = o.x, w[j0 + j][1] = o.y, w[j0 + j][2] = o.z, w[j0 + j][3] = o.w;
+        const int i0 = 4 * (j0 + j);
+        stash[(i0 + 0) * kThreads + threadIdx.x] = up.x;
+        stash[(i0 + 1) * kThreads + threadIdx.x] = up.y;
+        stash[(i0 + 2) * kThreads + threadIdx.x] = up.z;
+        stash[(i0 + 3) * kThreads + threadIdx.x] = up.w;
       }
     }
     return;
@@ -249,12 +275,12 @@ __device__ __forceinline__ void load_block_act_grad(const Params& p, int64_t b, 
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int64_t rr = r + j, cc = c + 2 * i + e;
-        const bool in = rr < m && cc < (kPair ? dk : k);
+        const bool in = rr < m && cc < dk;
         v[e] = in ? act_grad_elem(p.act, h + rr * k, dy + rr * dk, cc, dk) : 0.0f;
-        if constexpr (kPair) u[e] = in ? act_grad_elem(p.act, h + rr * k, dy + rr * dk, cc + dk, dk) : 0.0f;
+        u[e] = in ? act_grad_elem(p.act, h + rr * k, dy + rr * dk, cc + dk, dk) : 0.0f;
       }
       w[j][i] = bf16_pair(v[0], v[1]);
-      if constexpr (kPair) stash[(4 * j + i) * kThreads + threadIdx.x] = bf16_pair(u[0], u[1]);
+      stash[(4 * j + i) * kThreads + threadIdx.x] = bf16_pair(u[0], u[1]);
     }
 }
 
@@ -270,8 +296,11 @@ __global__ void act_grad_kernel(const uint16_t* __restrict__ h, const uint16_t* 
     const uint16_t* dr = dy + row * dk;
     if (k % 8 == 0 && (!gated || dk % 8 == 0)) {
       const int part = !gated ? 0 : c < dk ? 1 : 2;
-      const ActWords q = load_act_words(hr, dr, part, part == 2 ? c - dk : c, dk);
-      *reinterpret_cast<uint4*>(out + row * k + c) = act_grad8(act & ~kActGated, part, q.h, q.u, q.dy);
+      const int64_t hc = part == 2 ? c - dk : c;
+      const uint4 hq = __ldg(reinterpret_cast<const uint4*>(hr + hc));
+      const uint4 dq = __ldg(reinterpret_cast<const uint4*>(dr + hc));
+      const uint4 uq = part == 1 ? __ldg(reinterpret_cast<const uint4*>(hr + hc + dk)) : hq;
+      *reinterpret_cast<uint4*>(out + row * k + c) = act_grad8(act & ~kActGated, part, hq, uq, dq);
     } else {
       for (int64_t cc = c; cc < c + 8 && cc < k; ++cc)
         out[row * k + cc] = f32_to_bf16_bits(act_grad_elem(act, hr, dr, cc, dk));
@@ -383,8 +412,8 @@ __global__ void __launch_bounds__(kThreads, kAct ? 3 : kMinBlocks<In>) quantize_
 
   uint32_t w[8][4];
   if constexpr (!kAct) load_block<In>(x, p.m, p.k, r0 + 8 * rg, c0 + 8 * cg, vec, w);
-  else if (paired) load_block_act_grad<true>(p, b, r0 + 8 * rg, c0 + 8 * cg, vec, w, stash);
-  else load_block_act_grad<false>(p, b, r0 + 8 * rg, c0 + 8 * cg, vec, w, stash);
+  else if (paired) load_block_act_grad_pair(p, b, r0 + 8 * rg, c0 + 8 * cg, vec, w, stash);
+  else load_block_act_grad(p, b, r0 + 8 * rg, c0 + 8 * cg, vec, w);
   const float ts[2] = {copy_scalar(p, 0, b), copy_scalar(p, 1, b)};
   write_scale_inv(p, b, ts);
   encode_tile<T, F0, F1>(p, sm, b, r0, c0, rg, cg, w, ts);
