@@ -162,6 +162,37 @@ def test_float32_master_kernel_equals_its_bf16_cast(name, kernels, monkeypatch):
         assert ((K, N), jnp.float32) in [(s, dt) for s, dt, _, _ in launches], launches
 
 
+@pytest.mark.parametrize("kernels", ["gpu", "all"])
+@pytest.mark.parametrize("name", NAMED + ["nvfp4_2d"])
+def test_given_kernel_amax_equals_the_kernels_own(name, kernels, monkeypatch):
+    """The float32 kernel's amax given (kernel_amax, as the train state carries it) gives the results of the op
+    that reduces the kernel itself, bit for bit: the weight copies that read a per-tensor amax take it rounded to
+    bf16 (the kernel's cast rounds monotonically, so that is the cast kernel's amax). On the kernels the weight's
+    launch then reads the float32 kernel: no bf16 copy of it is written and no reduction runs over it."""
+    monkeypatch.setenv("JAXHQ_KERNELS", kernels)
+    qs = recipes.get(name).dense_quantizers("m") if name != "nvfp4_2d" else \
+        DenseQuantizers(NVFP4(block_2d=True), NVFP4(block_2d=True), NVFP4())
+    x, w, b, g = rand(40, (M, K), jnp.bfloat16), rand(41, (K, N)) * 0.1, rand(42, (N,), jnp.bfloat16), \
+        rand(43, (M, N), jnp.bfloat16)
+    w = w.at[3, 7].set(0.6)  # an amax that bf16 rounds (0.6 is not a bf16 value)
+    key, states = jax.random.PRNGKey(44), states_for(qs)
+    amax = jnp.max(jnp.abs(w))
+
+    def run(given):  # the amax taken inside the jitted program, as the train step does
+        f = lambda x, w, b: jaxhq.dense(x, w, b, quantizers=qs, states=states, key=key,  # noqa: E731
+                                        kernel_amax=jax.lax.stop_gradient(jnp.max(jnp.abs(w))) if given else None)
+        return (jax.jit(f)(x, w, b),) + jax.jit(jax.grad(lambda x, w, b: jnp.sum(f(x, w, b) * g), (0, 1, 2)))(x, w, b)
+
+    for what, u, v in zip(("y", "dx", "dw", "db"), run(True), run(False)):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v), err_msg=f"{name} {what}")
+    if kernels == "all" and name in ("fp8_current", "nvfp4"):
+        launches = spy_launches(monkeypatch)
+        jax.jit(lambda x, w: jaxhq.dense(x, w, quantizers=qs, kernel_amax=amax)).lower(x, w)
+        assert ((K, N), jnp.float32) in [(s, dt) for s, dt, _, _ in launches], launches  # (bf16 without the amax)
+    with pytest.raises(ValueError, match="kernel_amax must be a scalar"):
+        jaxhq.dense(x, w, quantizers=qs, kernel_amax=jnp.ones((2,)))
+
+
 @pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "hybrid:mxfp8:nvfp4", "mxfp8/nvfp4"])
 def test_decoded_copies_give_the_same_results_as_codes(name, monkeypatch):
     """Where the block-scaled GEMMs dequantize their operands (Hopper; the CPU handlers under JAXHQ_KERNELS=all),
@@ -213,7 +244,7 @@ def test_residuals_hold_no_high_precision_copy(name, kernels, monkeypatch):
     monkeypatch.setenv("JAXHQ_KERNELS", kernels)
     qs = recipes.get(name).dense_quantizers("m")
     x, w = rand(14, (M, K), jnp.bfloat16), rand(15, (K, N), jnp.bfloat16)
-    _, res = _dense_fwd(x, w, None, {}, jax.random.PRNGKey(0), qs, None, None)
+    _, res = _dense_fwd(x, w, None, {}, jax.random.PRNGKey(0), None, qs, None, None)
     saved_w = res[1].columnwise
     leaves = [a for a in jax.tree.leaves(res) if not (saved_w.decoded and a is saved_w.data)]
     hp = [a for a in leaves if a.dtype in (jnp.bfloat16, jnp.float32) and a.size >= min(M * K, K * N)]
@@ -230,7 +261,7 @@ def test_residuals_hold_no_high_precision_copy(name, kernels, monkeypatch):
 def test_identity_slot_saves_its_input():
     qs = DenseQuantizers(Hybrid(MXFP8(), Identity()), MXFP8(), MXFP8())
     x, w = rand(16, (M, K), jnp.bfloat16), rand(17, (K, N), jnp.bfloat16)
-    _, res = _dense_fwd(x, w, None, {}, None, qs, None, None)
+    _, res = _dense_fwd(x, w, None, {}, None, None, qs, None, None)
     assert any(a.dtype == jnp.bfloat16 and a.shape == (K, M) for a in jax.tree.leaves(res))
 
 

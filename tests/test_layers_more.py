@@ -217,8 +217,8 @@ def test_per_layer_factory_lands_in_residuals(monkeypatch):
     dense_mod = importlib.import_module("jaxhq.ops.dense")
     orig = dense_mod._forward
 
-    def spy(x, kernel, bias, states, key, qs, *args, **kw):  # the copies the forward hands to the residuals
-        out = orig(x, kernel, bias, states, key, qs, *args, **kw)
+    def spy(x, kernel, bias, states, key, kernel_amax, qs, *args, **kw):  # the copies handed to the residuals
+        out = orig(x, kernel, bias, states, key, kernel_amax, qs, *args, **kw)
         for slot, qt in (("input", out[2]), ("weight", out[3])):
             seen.append((qs.role(slot), qt.columnwise.format if qt.columnwise is not None else None))
         return out

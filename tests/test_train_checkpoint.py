@@ -41,6 +41,7 @@ def test_resume_is_bit_identical(tmp_path, ds, recipe):
     restored, meta = C.restore(tmp_path, make(recipe))
     assert meta["recipe"] == recipe and meta["note"] == "x" and int(restored.step) == 3
     assert leaves_equal(restored.quant_state, st.quant_state) and leaves_equal(restored.opt_state, st.opt_state)
+    assert leaves_equal(restored.weight_amax, st.weight_amax)  # the restored kernels' (not the template state's)
     resumed, got = run(restored, ds, 3, 3)
     assert got == want
     assert leaves_equal(resumed.params, straight.params) and leaves_equal(resumed.quant_state, straight.quant_state)

@@ -1,5 +1,6 @@
 """Train state: master weights under optax, delayed-scaling state merging, stochastic-rounding keys,
 train/eval alternation, recipe change mid-training. A micro GPT (1 layer, d_model 32) keeps it fast."""
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -190,3 +191,40 @@ def test_with_recipe_mid_training(ds):
             st, m = S.train_step(st, ds.train_batch(int(st.step)))
             losses.append(float(m["loss"]))
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("recipe", ["fp8_current", "nvfp4", "hybrid:mxfp8:nvfp4"])
+def test_weight_amax_from_the_update_is_exact(ds, recipe, dtype):
+    """The kernels' amaxes the state carries (computed in the step whose update wrote the kernels) give the same
+    steps, bit for bit, as a reduction over each kernel inside the step (the collection left out: the layers
+    then take their own amax pass); after each step they are the new params' own. Exact because a max is, and
+    the cast to the model's dtype rounds monotonically (bfloat16: the amax of the cast kernel is the cast amax)."""
+    st = S.create(M.GPT(CFG.replace(dtype=dtype), S.named_recipe(recipe)), S.make_optimizer(1e-2, 20, 2), 0)
+    bare = st.replace(weight_amax={})
+    for i in range(3):
+        st, m1 = S.train_step(st, ds.train_batch(i))
+        bare, m2 = S.train_step(bare, ds.train_batch(i))
+        bare = bare.replace(weight_amax={})
+        assert float(m1["loss"]) == float(m2["loss"]) and leaves_equal(st.params, bare.params), i
+        assert leaves_equal(st.weight_amax, S.weight_amaxes(st.params, S.collection_paths(st.weight_amax)))
+        assert leaves_equal(st.with_params(st.params).weight_amax, st.weight_amax)
+
+
+@pytest.mark.parametrize("recipe,used", [("fp8_current", True), ("nvfp4", True), ("mxfp8", False),
+                                         ("fp8_delayed", False)])
+def test_weight_amax_is_read_where_a_weight_copy_takes_one(ds, recipe, used, monkeypatch):
+    """The state carries the amaxes of the kernels whose weight copies take a per-tensor amax before quantizing
+    (FP8 current scaling and NVFP4: all of them; MXFP8 and delayed scaling: none, so no reduction is added to
+    their steps), and the layers read them (a wrong amax changes the loss); under JAXHQ_WEIGHT_AMAX=0 (read at
+    trace time) they do not."""
+    st = make(recipe)
+    kernels = {k[:-1] for k in flax.traverse_util.flatten_dict(st.params) if k[-1] == "kernel"}
+    assert set(S.collection_paths(st.weight_amax)) == (kernels if used else set())  # every dense kernel, or none
+    wrong = st.replace(weight_amax=jax.tree.map(lambda a: a * 3.0, st.weight_amax))  # not a power of 2
+    batch = ds.train_batch(0)
+    loss = lambda s: float(S.eval_step(s, batch)["loss"])  # noqa: E731
+    assert (loss(st) == loss(wrong)) != used
+    monkeypatch.setenv("JAXHQ_WEIGHT_AMAX", "0")
+    jax.clear_caches()  # traced again, reading the switch
+    assert loss(st) == loss(wrong)

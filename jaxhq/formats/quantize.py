@@ -181,7 +181,8 @@ def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=
     stochastic rounding draws other numbers on the kernel path.
     cast_to: quantize x.astype(cast_to) (the dense op's float32 master weight in a bf16 model). From float32 to
     bfloat16 the kernels round each value as they load it, so that cast is never written to memory, except where
-    a per-tensor amax is taken first (FP8 current scaling, NVFP4): XLA's cast then carries the amax pass.
+    a per-tensor amax is taken first (FP8 current scaling, NVFP4) and not given: XLA's cast then carries the
+    amax pass.
     decoded: copies (among `usage`) that a kernel writes as their values, bfloat16, instead of their codes
     (MXFP8 and NVFP4; `Storage.decoded`), for a GEMM that would dequantize them anyway
     (jaxhq.ops.gemm.decoded_copies). The reference path makes codes.

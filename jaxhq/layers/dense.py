@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from .. import ops
+from ..ops.dense import takes_kernel_amax
 from ..recipes import CustomRecipe
 from ..roles import QuantizerRole, dense_slots
 from . import introspect, state
@@ -35,7 +36,9 @@ def quantized_dense(m: nn.Module, x, kernel, bias, *, recipe: CustomRecipe, path
                     output_role: Optional[QuantizerRole] = None, grad_input_role: Optional[QuantizerRole] = None,
                     module_type: str = "linear", activation: Optional[str] = None):
     """`x @ kernel + bias` through `jaxhq.ops.dense` with the roles of `path`, from inside module `m` (which
-    owns the delayed-scaling state and the "quant" rng), then `activation` if given. kernel is 2D [in, out]."""
+    owns the delayed-scaling state, the "quant" rng and the "weight_amax" entry of its "kernel"), then
+    `activation` if given. kernel is 2D [in, out]: m's "kernel" parameter, cast, reshaped or transposed (its
+    amax, where the collection holds it, is that parameter's)."""
     introspect.record(path, dense_slots(path, output_role, grad_input_role, module_type,
                                         activation if bias is None else None))  # a bias keeps XLA's gradient
     qs = recipe.dense_quantizers(path, module_type)
@@ -46,6 +49,7 @@ def quantized_dense(m: nn.Module, x, kernel, bias, *, recipe: CustomRecipe, path
     wsh = _weight_sharding(kernel_axes, path)
     if wsh is not None:
         kw["weight_sharding"] = wsh
+    kw["kernel_amax"] = state.weight_amax(m, takes_kernel_amax(qs.weight))
     y, new = ops.dense(x, kernel, bias, quantizers=qs, states=state.values(svars), key=quant_key(m),
                        return_state=True, activation=activation, **kw)
     state.write_forward(m, svars, new)

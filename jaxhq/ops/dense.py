@@ -15,6 +15,10 @@ where the weight's columnwise copy is its decoded rowwise one read transposed (N
 `ops.gemm.shares_transposed_copy`), that is the copy saved.
 With `activation`, y = act(x @ w + b) and the backward's grad_output is the gradient of x @ w + b, quantized
 from the activation's input (kept from the forward) and dy (jaxhq.ops.activation).
+`kernel_amax`: max |kernel| when the caller knows it (the train step computes it with the optimizer update that
+writes the kernel): the weight's per-tensor copies (FP8 current scaling, NVFP4 without a Hadamard side) take it,
+rounded as the kernel is cast, instead of a reduction over the kernel (rounding is monotone, so the amax of the
+cast kernel is the cast amax: the same copies bit for bit).
 Delayed-scaling state: the input and weight states are updated by the forward (returned), the grad_output
 state through the gradient: the cotangent returned for `states["grad_output"]` is its new value.
 Sharding (FSDP): with `weight_sharding` (jaxhq.sharding.WeightSharding) the weight is quantized per shard and
@@ -36,7 +40,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from ..formats import COLUMNWISE, ROWWISE, QTensor, quantize, update_state
+from ..formats import (COLUMNWISE, NVFP4, ROWWISE, USAGES, Float8CurrentScaling, Float8DelayedScaling, QTensor,
+                       quantize, side, update_state)
+from ..formats.base import canonical_nan
 from ..recipes import DenseQuantizers
 from ..sharding.sequence import sequence_plan
 from . import activation as act_
@@ -70,20 +76,40 @@ def _keys(key):
     return tuple(jax.random.fold_in(key, i) for i in range(3))
 
 
-def _quantize(t, qs: DenseQuantizers, slot: str, usage, key, state, transposed=False, cast_to=None, decoded=()):
+def _quantize(t, qs: DenseQuantizers, slot: str, usage, key, state, transposed=False, cast_to=None, decoded=(),
+              amax=None):
     q = getattr(qs, slot)
     try:
         return quantize(t, q, usage, key=key, state=state, transposed=transposed, cast_to=cast_to,
-                        decoded=decoded_copies(q, decoded))
+                        decoded=decoded_copies(q, decoded), amax=amax)
     except (ValueError, TypeError) as e:
         raise type(e)(f"{slot} of {qs.role(slot) or 'dense'}: {e}") from None
+
+
+def takes_kernel_amax(q) -> bool:
+    """Whether weight quantizer q's copies read a per-tensor amax that a given kernel_amax can be: FP8 current
+    scaling and NVFP4 sides (without a Hadamard-transformed one, whose amax is another), no delayed one."""
+    sides = [side(q, a) for a in USAGES]
+    return not any(isinstance(s, Float8DelayedScaling) or (isinstance(s, NVFP4) and s.uses_rht(a))
+                   for s, a in zip(sides, USAGES)) and any(isinstance(s, (Float8CurrentScaling, NVFP4)) for s in sides)
+
+
+def _weight_amax(kernel_amax, q, dtype):
+    """The weight quantizer's precomputed amax: kernel_amax cast as the kernel is, where q takes one; else None."""
+    if kernel_amax is None or not takes_kernel_amax(q):
+        return None
+    a = jnp.asarray(kernel_amax, jnp.float32)
+    if jnp.dtype(dtype) != jnp.float32:  # rounded as the cast rounds: reduce_precision, which XLA keeps (a cast
+        fi = jnp.finfo(dtype)              # pair to bfloat16 and back it drops under its default excess precision)
+        a = jax.lax.reduce_precision(a, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+    return canonical_nan(a)
 
 
 def _new_state(qs, slot, state, qt):
     return None if state is None else update_state(getattr(qs, slot), state, qt)
 
 
-def _forward(x, kernel, bias, states, key, qs: DenseQuantizers, usage_x, usage_w, wsh=None, sp=None):
+def _forward(x, kernel, bias, states, key, kernel_amax, qs: DenseQuantizers, usage_x, usage_w, wsh=None, sp=None):
     """(y, new states, the input's and the weight's QTensors); y before any activation."""
     gathered = sp is not None and sp.gathers("input")
     x2d = sp.tokens(x) if gathered else x.reshape(-1, x.shape[-1])
@@ -98,8 +124,9 @@ def _forward(x, kernel, bias, states, key, qs: DenseQuantizers, usage_x, usage_w
     # Where the weight's two copies hold the same values (NVFP4 16x16 blocks), the dgrad GEMM reads the forward's
     # decoded copy transposed (ops.gemm.shares_transposed_copy): one copy is made, not two.
     share = COLUMNWISE in usage_w and bool(now) and shares_transposed_copy(qs.weight)
+    w_amax = _weight_amax(kernel_amax, qs.weight, x.dtype)
     quantize_w = lambda usage, dec: _quantize(kernel, qs, "weight", usage, kw, states.get("weight"),  # noqa: E731
-                                              transposed=True, cast_to=x.dtype, decoded=dec)  # copies of kernel.T
+                                              transposed=True, cast_to=x.dtype, decoded=dec, amax=w_amax)
     qw = quantize_w((ROWWISE,) if share else usage_w, now)
     if share:  # (a copy that came back as codes, e.g. on the xla path, cannot be read transposed)
         col = qw.rowwise.transpose_of() if qw.rowwise.decoded else quantize_w((COLUMNWISE,), ()).columnwise
@@ -121,18 +148,18 @@ def _forward(x, kernel, bias, states, key, qs: DenseQuantizers, usage_x, usage_w
     return y, new, qx, qw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _dense(x, kernel, bias, states, key, qs, wsh, sp, activation):
-    y, new, _, _ = _forward(x, kernel, bias, states, key, qs, (ROWWISE,), (ROWWISE,), wsh, sp)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _dense(x, kernel, bias, states, key, kernel_amax, qs, wsh, sp, activation):
+    y, new, _, _ = _forward(x, kernel, bias, states, key, kernel_amax, qs, (ROWWISE,), (ROWWISE,), wsh, sp)
     return (y if activation is None else act_.activate(y, activation)), new
 
 
 QUANTIZED_RESIDUAL = "jaxhq_quantized_residual"  # the checkpoint name of the copies the backward GEMMs read
 
 
-def _dense_fwd(x, kernel, bias, states, key, qs, wsh, sp, activation=None):
-    y, new, qx, qw = _forward(x, kernel, bias, states, key, qs, (ROWWISE, COLUMNWISE), (ROWWISE, COLUMNWISE),
-                              wsh, sp)
+def _dense_fwd(x, kernel, bias, states, key, kernel_amax, qs, wsh, sp, activation=None):
+    y, new, qx, qw = _forward(x, kernel, bias, states, key, kernel_amax, qs, (ROWWISE, COLUMNWISE),
+                              (ROWWISE, COLUMNWISE), wsh, sp)
     h = None  # with an activation: its input, for the backward (as JAX keeps it for an activation's derivative)
     if activation is not None:
         h, y = y, act_.activate(y, activation)
@@ -189,14 +216,14 @@ def _dense_bwd(qs, wsh, sp, activation, res, cts):
     d_states = {k: jax.tree.map(jnp.zeros_like, v) for k, v in states_in.items()}
     if "grad_output" in d_states:
         d_states["grad_output"] = _new_state(qs, "grad_output", dy_state, qdy)
-    return dx.reshape(x_shape), dw.astype(k_dtype), db, d_states, None
+    return dx.reshape(x_shape), dw.astype(k_dtype), db, d_states, None, None
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
 
 
 def dense(x, kernel, bias=None, *, quantizers: DenseQuantizers, states: Optional[dict] = None, key=None,
-          return_state: bool = False, weight_sharding=None, activation: Optional[str] = None):
+          return_state: bool = False, weight_sharding=None, activation: Optional[str] = None, kernel_amax=None):
     """Quantized `x @ kernel + bias` for x of any rank (leading dims are tokens), output in x's dtype.
 
     quantizers: one per slot (input, weight, grad_output). states: {slot: delayed-scaling state} for the
@@ -206,12 +233,15 @@ def dense(x, kernel, bias=None, *, quantizers: DenseQuantizers, states: Optional
     activation: a name of jaxhq.ops.activation.ACTIVATIONS applied to the result (gated: to its halves, so the
     result has half the kernel's outputs). Without a bias or sharding, the backward quantizes the GEMM output's
     gradient from the activation's input and its output's gradient (ops.activation): where a kernel takes them,
-    that gradient is never written.
+    that gradient is never written. kernel_amax: max |kernel| (a float32 scalar) where the caller knows it, for
+    the weight's per-tensor copies (see the module docstring); it must be the amax of this kernel.
     """
     _check(x, kernel, bias, quantizers, activation)
     if weight_sharding is not None:  # trace-time: no quantization block may straddle two shards
         weight_sharding.check(quantizers.weight, kernel.shape, role=quantizers.role("weight"))
     plan = sequence_plan(weight_sharding, x.shape, quantizers, kernel.shape[1])
     states = dict(states or {})
-    y, new = _dense(x, kernel, bias, states, key, quantizers, weight_sharding, plan, activation)
+    if kernel_amax is not None and jnp.shape(kernel_amax) != ():
+        raise ValueError(f"dense: kernel_amax must be a scalar (max |kernel|), got shape {jnp.shape(kernel_amax)}")
+    y, new = _dense(x, kernel, bias, states, key, kernel_amax, quantizers, weight_sharding, plan, activation)
     return (y, new) if return_state else y

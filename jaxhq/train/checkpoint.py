@@ -132,8 +132,8 @@ def restore(ckdir: str, state: TrainState, step: Optional[int] = None):
         arrays = ckptr.restore(os.path.join(path, ARRAYS), abstract)
     except Exception as e:  # orbax raises several types; keep one clear message
         raise CheckpointError(f"cannot restore {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
-    new = state.replace(step=arrays["step"], params=arrays["params"], opt_state=arrays["opt_state"],
-                        key=arrays["key"], quant_state=arrays["quant_state"] if same_recipe else state.quant_state)
+    new = state.with_params(arrays["params"], step=arrays["step"], opt_state=arrays["opt_state"], key=arrays["key"],
+                            quant_state=arrays["quant_state"] if same_recipe else state.quant_state)
     if not same_recipe:
         new = new.with_recipe(state.recipe)
     return new, meta

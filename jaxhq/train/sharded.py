@@ -39,7 +39,7 @@ def state_shardings(st: TrainState, mesh, rules=None) -> TrainState:
 
     opt = jax.tree.map(lambda sub: ps if like_params(sub) else rep, st.opt_state, is_leaf=like_params)
     return st.replace(step=rep, params=ps, opt_state=opt, quant_state=jax.tree.map(lambda _: rep, st.quant_state),
-                      key=rep)
+                      weight_amax=jax.tree.map(lambda _: rep, st.weight_amax), key=rep)
 
 
 def shard_train_state(st: TrainState, mesh, rules=None) -> TrainState:

@@ -1,7 +1,10 @@
 """Train state: fp32 master weights under optax, delayed-scaling state, and the jitted train and eval steps.
 
 The model's quantizers read the master weights each step; the "quant_state" collection (amax histories and
-scales of delayed-scaling slots) is part of the state. A train step merges two sources of its next value: the
+scales of delayed-scaling slots) is part of the state, and so is "weight_amax": max |kernel| of the dense
+kernels whose weight copies read a per-tensor amax (FP8 current scaling, NVFP4; jaxhq.layers.weight_amax_paths),
+computed where the weights are written (at creation and restore, and by each train step from its optimizer
+update, into which XLA fuses the reductions), so those copies need no pass over the kernels of their own. A train step merges two sources of its next value: the
 forward slots (input, weight) come back as mutated variables, the grad_output slots as their gradient (the
 dense op's "the gradient is the new state"). An eval step reads the state and changes nothing, so train and
 eval steps can alternate freely. Stochastic rounding draws from the "quant" stream, folded with the step.
@@ -18,14 +21,17 @@ import optax
 from flax import struct
 
 from .. import recipes as _recipes
-from ..layers.state import QUANT_STATE, merge_quant_state
+from ..layers.state import (QUANT_STATE, WEIGHT_AMAX, collection_paths, merge_quant_state, weight_amax_paths,
+                            weight_amaxes)
 from ..recipes import CustomRecipe
 
 
 
 @struct.dataclass
 class TrainState:
-    """Everything a run needs to continue: step, master params, optimizer and quantizer state, the rng key.
+    """Everything a run needs to continue: step, master params, optimizer and quantizer state, the rng key, and
+    `weight_amax` (jaxhq.layers.weight_amaxes of `params` for the kernels whose copies read one; derived, so not
+    checkpointed; `with_params` replaces params and keeps the two together).
 
     `model` (a Flax module holding the recipe) and `tx` (the optax optimizer) are static.
     """
@@ -35,6 +41,7 @@ class TrainState:
     opt_state: Any
     quant_state: Any
     key: jax.Array
+    weight_amax: Any
     model: nn.Module = struct.field(pytree_node=False)
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
 
@@ -47,7 +54,13 @@ class TrainState:
         recipe keeps one (every quantized copy is made again from the master weights by the next step)."""
         model = self.model.clone(recipe=recipe if isinstance(recipe, CustomRecipe) else named_recipe(recipe))
         qs = init_quant_state(model, self.params)
-        return self.replace(model=model, quant_state=qs)
+        return self.replace(model=model, quant_state=qs,
+                            weight_amax=_weight_amaxes(self.params, weight_amax_paths(model, _example(model))))
+
+    def with_params(self, params, **fields) -> "TrainState":
+        """The state with other params (and any other `fields`), their kernels' amaxes computed again."""
+        return self.replace(params=params, weight_amax=_weight_amaxes(params, collection_paths(self.weight_amax)),
+                            **fields)
 
 
 def cross_entropy(logits, targets):
@@ -89,6 +102,9 @@ def _commit(tree):
     return jax.device_put(tree, jax.devices()[0])
 
 
+_weight_amaxes = jax.jit(weight_amaxes, static_argnums=1)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _init(model, pkey, qkey):
     return model.init({"params": pkey, "quant": qkey}, _example(model))
@@ -101,7 +117,8 @@ def create(model: nn.Module, tx: optax.GradientTransformation, seed: int = 0) ->
     variables = _init(model, pkey, qkey)
     params = nn.meta.unbox(variables["params"])
     arrays = dict(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                  quant_state=variables.get(QUANT_STATE, {}), key=jax.random.key_data(qkey))
+                  quant_state=variables.get(QUANT_STATE, {}), key=jax.random.key_data(qkey),
+                  weight_amax=weight_amaxes(params, weight_amax_paths(model, _example(model))))
     return TrainState(**_commit(arrays), model=model, tx=tx)
 
 
@@ -109,8 +126,9 @@ def step_key(state: TrainState):
     return jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
 
 
-def _variables(params, quant_state):
-    return {"params": params, QUANT_STATE: quant_state} if quant_state else {"params": params}
+def _variables(params, quant_state, weight_amax=None):
+    out = {"params": params, QUANT_STATE: quant_state} if quant_state else {"params": params}
+    return {**out, WEIGHT_AMAX: weight_amax} if weight_amax else out
 
 
 def loss_and_grads(state: TrainState, batch: dict):
@@ -118,8 +136,8 @@ def loss_and_grads(state: TrainState, batch: dict):
     rngs = {"quant": step_key(state)}
 
     def loss_fn(params, qs):
-        logits, mut = state.model.apply(_variables(params, qs), batch["inputs"], deterministic=False, rngs=rngs,
-                                        mutable=[QUANT_STATE])
+        logits, mut = state.model.apply(_variables(params, qs, state.weight_amax), batch["inputs"],
+                                        deterministic=False, rngs=rngs, mutable=[QUANT_STATE])
         return cross_entropy(logits, batch["targets"]), mut.get(QUANT_STATE, {})
 
     (loss, fwd_qs), (grads, grad_qs) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
@@ -135,13 +153,14 @@ def _train_step(state: TrainState, batch: dict):
     loss, qs, grads = loss_and_grads(state, batch)
     updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, quant_state=qs)
+    new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, quant_state=qs,
+                        weight_amax=weight_amaxes(params, collection_paths(state.weight_amax)))  # fused: the update
     return new, {"loss": loss, "grad_norm": global_norm(grads)}
 
 
 def _eval_step(state: TrainState, batch: dict):
-    logits = state.model.apply(_variables(state.params, state.quant_state), batch["inputs"], deterministic=True,
-                               rngs={"quant": step_key(state)})
+    logits = state.model.apply(_variables(state.params, state.quant_state, state.weight_amax), batch["inputs"],
+                               deterministic=True, rngs={"quant": step_key(state)})
     return {"loss": cross_entropy(logits, batch["targets"])}
 
 
