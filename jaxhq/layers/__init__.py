@@ -15,6 +15,5 @@ from .transformer import MoEConfig, TransformerLayer
 __all__ = ["Dense", "DenseGeneral", "LayerNormDense", "LayerNormMLP", "GroupedDense", "MoE", "MoEConfig",
            "DotProductAttention", "MultiHeadAttention", "TransformerLayer", "quantize_model", "QuantizedModel",
            "model_roles", "model_slots", "merge_quant_state", "QUANT_STATE", "WEIGHT_AMAX", "weight_amaxes",
-           "weight_amax_paths",
-           "quantized_dense",
+           "weight_amax_paths", "quantized_dense",
            "quantized_attention", "grad_quantize", "rotary"]

@@ -56,8 +56,11 @@ class _Meta(tuple):
     """Shapes and dtypes the backward needs, kept as static pytree data in the residuals."""
 
 
-def _check(x, kernel, bias, qs: DenseQuantizers, activation=None):
+def _check(x, kernel, bias, qs: DenseQuantizers, activation=None, kernel_amax=None):
     where = f" (module {qs.role('input').name})" if qs.roles else ""
+    if kernel_amax is not None and jnp.shape(kernel_amax) != ():
+        raise ValueError(f"dense{where}: kernel_amax must be a scalar (max |kernel| of the kernel of shape "
+                         f"{tuple(kernel.shape)}), got shape {jnp.shape(kernel_amax)}")
     if activation is not None and act_.is_gated(activation) and kernel.shape[-1] % 2:  # is_gated checks the name
         raise ValueError(f"dense{where}: the gated activation {activation!r} halves the {kernel.shape[-1]} outputs "
                          f"of kernel of shape {tuple(kernel.shape)}: an even number is needed")
@@ -236,12 +239,10 @@ def dense(x, kernel, bias=None, *, quantizers: DenseQuantizers, states: Optional
     that gradient is never written. kernel_amax: max |kernel| (a float32 scalar) where the caller knows it, for
     the weight's per-tensor copies (see the module docstring); it must be the amax of this kernel.
     """
-    _check(x, kernel, bias, quantizers, activation)
+    _check(x, kernel, bias, quantizers, activation, kernel_amax)
     if weight_sharding is not None:  # trace-time: no quantization block may straddle two shards
         weight_sharding.check(quantizers.weight, kernel.shape, role=quantizers.role("weight"))
     plan = sequence_plan(weight_sharding, x.shape, quantizers, kernel.shape[1])
     states = dict(states or {})
-    if kernel_amax is not None and jnp.shape(kernel_amax) != ():
-        raise ValueError(f"dense: kernel_amax must be a scalar (max |kernel|), got shape {jnp.shape(kernel_amax)}")
     y, new = _dense(x, kernel, bias, states, key, kernel_amax, quantizers, weight_sharding, plan, activation)
     return (y, new) if return_state else y
