@@ -402,8 +402,8 @@ def _gpus():
         return []
 
 
-# aligned tiles (gated FP8 formats: a gate and its up tile per CTA); partial row tiles of those; partial column tiles (gated
-# halves not whole tiles); gated halves that are not a multiple of 8 (no vector loads)
+# aligned tiles (gated FP8 formats: a gate and its up tile per CTA); partial row tiles of those; partial column
+# tiles (gated halves not whole tiles); gated halves that are not a multiple of 8 (no vector loads)
 GPU_SHAPES = [(256, 512), (300, 512), (300, 400), (130, 200)]
 
 

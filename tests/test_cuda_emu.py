@@ -277,8 +277,8 @@ def test_activation_gradient_copies_match_cpu_code(emu, act, fmt):
     """The register-tile kernel's copies of an activation's gradient, made in its loads from h and dy, equal the
     CPU code's, which writes the gradient and then quantizes it (on the emulator both compute the gradient in the
     CPU's float32), with the amax output; outputs poisoned first. Shapes: gated halves of whole tiles (FP8
-    formats: a gate and its up tile per CTA), the same with a partial row tile, halves of 100 columns (a tile per CTA, no vector loads;
-    the plain activation: partial column tiles)."""
+    formats: a gate and its up tile per CTA), the same with a partial row tile, halves of 100 columns (a tile per
+    CTA, no vector loads; the plain activation: partial column tiles)."""
     gated = bool(act & P.GATED)
     for m, k in ((256, 512), (136, 256), (40, 200)):
         rng = np.random.default_rng(next(_seed))

@@ -168,7 +168,7 @@ def test_given_kernel_amax_equals_the_kernels_own(name, kernels, monkeypatch):
     """The float32 kernel's amax given (kernel_amax, as the train state carries it) gives the results of the op
     that reduces the kernel itself, bit for bit: the weight copies that read a per-tensor amax take it rounded to
     bf16 (the kernel's cast rounds monotonically, so that is the cast kernel's amax). On the kernels the weight's
-    launch then reads the float32 kernel: no bf16 copy of it is written and no reduction runs over it."""
+    launch then reads the float32 kernel: no bf16 copy of it is written."""
     monkeypatch.setenv("JAXHQ_KERNELS", kernels)
     qs = recipes.get(name).dense_quantizers("m") if name != "nvfp4_2d" else \
         DenseQuantizers(NVFP4(block_2d=True), NVFP4(block_2d=True), NVFP4())

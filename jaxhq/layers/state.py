@@ -26,6 +26,7 @@ from flax import traverse_util
 from ..formats import init_state
 from ..formats.base import abs_max_f32
 from ..recipes import DenseQuantizers
+from .introspect import model_slots
 
 QUANT_STATE = "quant_state"
 WEIGHT_AMAX = "weight_amax"
@@ -88,12 +89,12 @@ _READERS: contextvars.ContextVar = contextvars.ContextVar("jaxhq_weight_amax_rea
 
 def weight_amax_paths(model, *example_inputs) -> tuple:
     """The scope paths of the modules of `model` whose weight copies read the "weight_amax" collection (traced
-    abstractly on `example_inputs`): a recipe without per-tensor weight formats has none, and no amax is taken."""
+    abstractly on `example_inputs`, as `model_slots` traces it): a recipe without per-tensor weight formats has
+    none, and no amax is taken."""
     readers: set = set()
     token = _READERS.set(readers)
     try:
-        jax.eval_shape(lambda: model.init({"params": jax.random.key(0), "quant": jax.random.key(1),
-                                           "dropout": jax.random.key(2)}, *example_inputs))
+        model_slots(model, None, *example_inputs)
     finally:
         _READERS.reset(token)
     return tuple(sorted(readers))

@@ -1,13 +1,13 @@
 """Train state: fp32 master weights under optax, delayed-scaling state, and the jitted train and eval steps.
 
-The model's quantizers read the master weights each step; the "quant_state" collection (amax histories and
-scales of delayed-scaling slots) is part of the state, and so is "weight_amax": max |kernel| of the dense
-kernels whose weight copies read a per-tensor amax (FP8 current scaling, NVFP4; jaxhq.layers.weight_amax_paths),
-computed where the weights are written (at creation and restore, and by each train step from its optimizer
-update, into which XLA fuses the reductions), so those copies need no pass over the kernels of their own. A train step merges two sources of its next value: the
-forward slots (input, weight) come back as mutated variables, the grad_output slots as their gradient (the
-dense op's "the gradient is the new state"). An eval step reads the state and changes nothing, so train and
-eval steps can alternate freely. Stochastic rounding draws from the "quant" stream, folded with the step.
+The model's quantizers read the master weights each step; the "quant_state" collection (amax histories and scales of
+delayed-scaling slots) is part of the state, and so is "weight_amax": max |kernel| of the dense kernels whose weight
+copies read a per-tensor amax (FP8 current scaling, NVFP4; jaxhq.layers.weight_amax_paths), computed where the
+weights are written (at creation and restore, and by each train step from its optimizer update, into which XLA fuses
+the reductions), so those copies need no pass over the kernels of their own. A train step merges two sources of its
+next value: the forward slots (input, weight) come back as mutated variables, the grad_output slots as their
+gradient (the dense op's "the gradient is the new state"). An eval step reads the state and changes nothing, so
+train and eval steps can alternate freely. Stochastic rounding draws from the "quant" stream, folded with the step.
 """
 from __future__ import annotations
 
