@@ -65,38 +65,81 @@ def test_loop_reads_each_block_of_losses_one_block_late(tmp_path, monkeypatch):
     """The loop reads a block of 10 losses only after the next block is dispatched (so the device queue never runs
     empty at a read), and every queued step before an evaluation, a checkpoint or the end; the curve is complete."""
     dispatched, reads = [0], []
-    step_fn, get = R._state.donated_train_step, R.jax.device_get
+    step_fn, get = R._state.logged_train_step, R.jax.device_get
 
-    def counting_step(st, b):
+    def counting_step(*args):
         dispatched[0] += 1
-        return step_fn(st, b)
+        return step_fn(*args)
 
     def spy_get(x):
-        if isinstance(x, list):  # the loop's reads of its losses
-            reads.append((dispatched[0], len(x)))
+        if getattr(x, "shape", None) == (R.LOSS_LOG,):  # the loop's reads of its loss log
+            reads.append(dispatched[0])
         return get(x)
 
-    monkeypatch.setattr(R._state, "donated_train_step", counting_step)
+    monkeypatch.setattr(R._state, "logged_train_step", counting_step)
     monkeypatch.setattr(R.jax, "device_get", spy_get)
     rep = R.run(cfg(tmp_path, recipe="bf16", compare=(), steps=45, eval_every=25), echo=lambda *_: None)
     # steps 0-9 read once 10-19 are queued; the evaluations after steps 25 and 45 drain the queue (at 35 the only
-    # queued block, 25-34, is the newest one: it waits)
-    assert reads == [(20, 10), (25, 15), (45, 20)]
+    # queued block, 25-34, is the newest one: it waits): 10-19 and 20-24 at 25, 25-34 and 35-44 at 45
+    assert reads == [20, 25, 25, 45, 45]
     assert [s for s, _ in rep["runs"]["bf16"]["train_curve"]] == list(range(45))
+
+
+def test_loop_losses_are_the_steps_losses(tmp_path):
+    """The losses the loop logs on the device are those train_step returns for the same batches (the loop's step
+    cuts its batches on the device: the same windows as data.train_batch)."""
+    from jaxhq.train import data as D, model as M, state as S
+    c = cfg(tmp_path, recipe="bf16", compare=(), steps=12, eval_every=0)
+    rep = R.run(c, echo=lambda *_: None)["runs"]["bf16"]
+    mc = M.preset("micro")
+    ds = D.load(D.DataConfig(batch_size=2, seq_len=mc.seq_len))
+    st = S.create(M.GPT(mc, S.named_recipe("bf16")), S.make_optimizer(c.lr, c.steps, c.warmup))
+    want = []
+    for i in range(12):
+        st, m = S.train_step(st, ds.train_batch(i))
+        want.append(float(m["loss"]))
+    np.testing.assert_allclose([l for _, l in rep["train_curve"]], want, rtol=1e-6)
 
 
 def test_loop_stops_on_a_nan_loss_within_two_blocks(tmp_path, monkeypatch):
     """A NaN loss from step 12 on: the loop raises once it reads that block, one block late (at the 30th dispatch),
     naming the first step whose loss is not finite."""
     dispatched = [0]
-    step_fn = R._state.donated_train_step
+    step_fn = R._state.logged_train_step
 
-    def nan_from_12(st, b):
+    def nan_from_12(st, log, *args):
         dispatched[0] += 1
-        st, m = step_fn(st, b)
-        return st, {**m, "loss": jnp.where(dispatched[0] > 12, jnp.nan, m["loss"])}
+        step = int(st.step)
+        st, log = step_fn(st, log, *args)
+        return st, (log.at[step % R.LOSS_LOG].set(jnp.nan) if dispatched[0] > 12 else log)
 
-    monkeypatch.setattr(R._state, "donated_train_step", nan_from_12)
+    monkeypatch.setattr(R._state, "logged_train_step", nan_from_12)
     with pytest.raises(FloatingPointError, match="recipe bf16: loss is nan at step 12"):
         R.run(cfg(tmp_path, recipe="bf16", compare=(), steps=60, eval_every=0), echo=lambda *_: None)
     assert dispatched[0] == 30
+
+
+def test_loop_on_a_mesh_cuts_sharded_batches(tmp_path):
+    """With a mesh (two CPU devices, data=2) the loop's step (its batch cut on the devices, constrained to the
+    batch's sharding) gives the unsharded run's losses (the same command on the CPU without the mesh) up to the
+    order of the split reductions (the loss's mean over the batch and the gradients' sums over two halves: float32 roundings, a
+    few ulps a step; 1e-5 leaves room for six steps of them)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu"}
+
+    def curve(name, *mesh):
+        out = tmp_path / name
+        r = subprocess.run([sys.executable, "-m", "jaxhq", "train", "--model", "micro", "--steps", "6", "--batch-size",
+                            "2", "--eval-every", "3", "--recipe", "bf16", "--compare", *mesh, "--out", str(out),
+                            "--no-progress"], env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        with open(out / "report.json") as f:
+            return json.load(f)["runs"]["bf16"]["train_curve"]
+
+    sharded, plain = curve("mesh", "--mesh", "data=2"), curve("plain")
+    assert [s for s, _ in sharded] == list(range(6))
+    np.testing.assert_allclose([l for _, l in sharded], [l for _, l in plain], rtol=1e-5)

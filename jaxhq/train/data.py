@@ -71,23 +71,33 @@ class Dataset:
     def tokens_per_batch(self) -> int:
         return self.config.batch_size * self.config.seq_len
 
-    def train_batch(self, step: int) -> dict:
-        """The batch of a training step: random windows drawn from (seed, step) only."""
+    def train_starts(self, step: int) -> np.ndarray:
+        """Where the windows of a training step's batch start: drawn from (seed, step) only."""
         c = self.config
         rng = np.random.default_rng((c.seed, step))
-        starts = rng.integers(0, len(self.train) - c.seq_len - 1, size=c.batch_size)
-        return _windows(self.train, starts, c.seq_len)
+        return rng.integers(0, len(self.train) - c.seq_len - 1, size=c.batch_size)
+
+    def train_batch(self, step: int) -> dict:
+        """The batch of a training step: random windows drawn from (seed, step) only."""
+        return windows(self.train, self.train_starts(step), self.config.seq_len)
+
+    def train_starts_table(self, steps: int) -> np.ndarray:
+        """train_starts of steps 0 .. steps - 1 as one int32 [steps, batch_size] array: with the train split on
+        the device, a step can cut its batch there (`windows` in jnp), and no batch is sent from the host."""
+        return np.stack([self.train_starts(s) for s in range(steps)]).astype(np.int32)
 
     def val_batches(self, num_batches: int) -> list:
         """Fixed validation batches spread evenly over the split (the same for every recipe and step)."""
         c = self.config
         n = num_batches * c.batch_size
         starts = np.linspace(0, len(self.val) - c.seq_len - 1, n).astype(np.int64)
-        return [_windows(self.val, starts[i * c.batch_size:(i + 1) * c.batch_size], c.seq_len)
+        return [windows(self.val, starts[i * c.batch_size:(i + 1) * c.batch_size], c.seq_len)
                 for i in range(num_batches)]
 
 
-def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> dict:
+def windows(tokens, starts, seq_len: int) -> dict:
+    """The batch {inputs, targets} (int32 [len(starts), seq_len]) of the windows of `tokens` at `starts`: numpy
+    arrays, or jnp arrays inside a jitted step (the same values)."""
     idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
     w = tokens[idx].astype(np.int32)
     return {"inputs": w[:, :-1], "targets": w[:, 1:]}

@@ -162,48 +162,59 @@ class _Throughput:
             self.paused += self.clock() - t
 
 
+LOSS_LOG = 16  # the losses the loop's step keeps on the device (more than the 10 of a block it reads at once)
+_snapshot = jax.jit(lambda log: log + 0.0)  # a copy of the log, read while the steps after it overwrite the log
+
+
 def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir, signals=()):
     from . import checkpoint as _ckpt
-    from .sharded import shard_batch
+    from .sharded import batch_sharding, shard_batch
 
-    def batch(b):
-        return b if mesh is None else shard_batch(b, mesh)
-
-    val = [batch(b) for b in dataset.val_batches(cfg.eval_batches)]
+    val = [b if mesh is None else shard_batch(b, mesh) for b in dataset.val_batches(cfg.eval_batches)]
+    # The train split and every step's window starts go to the device once; the step cuts its batch there and
+    # logs its loss into `log` (state.logged_train_step), so its inputs and outputs keep their addresses.
+    place = (lambda a: jax.device_put(a)) if mesh is None else \
+        (lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
+    tokens, starts = place(dataset.train), place(dataset.train_starts_table(cfg.steps))
+    log = place(np.zeros(LOSS_LOG, np.float32))
+    sharding = None if mesh is None else batch_sharding(mesh)
     throughput = _Throughput(dataset.tokens_per_batch)
     bar = _progress(cfg.steps, start, rec.name, cfg.progress)
-    pending, unread, t0 = [], [], time.perf_counter()  # unread: the block dispatched before `pending`
+    pending, unread, t0 = [], None, time.perf_counter()  # unread: (steps, log snapshot) of the block before
 
-    def read(done):  # the losses of these steps, from the device
-        losses = jax.device_get([l for _, l in done])
-        res.train_curve += [[s, float(l)] for (s, _), l in zip(done, losses)]
-        rate = throughput.logged(done[-1][0] + 1)
+    def read(steps, snap):  # the losses of these steps, from a snapshot of the log taken after the last of them
+        logged = jax.device_get(snap)
+        res.train_curve += [[s, float(logged[s % LOSS_LOG])] for s in steps]
+        rate = throughput.logged(steps[-1] + 1)
         if math.isfinite(rate):
             res.tokens_per_s = rate
         bar.set_postfix_str(f"loss {res.train_curve[-1][1]:.4f}, "
                             f"{rate if math.isfinite(rate) else 0:,.0f} tok/s", refresh=False)
-        bad = next(((s, l) for s, l in res.train_curve[-len(done):] if not math.isfinite(l)), None)
+        bad = next(((s, l) for s, l in res.train_curve[-len(steps):] if not math.isfinite(l)), None)
         if bad:
             bar.close()
             raise FloatingPointError(f"recipe {rec.name}: loss is {bad[1]} at step {bad[0]}")
 
     for step in range(start, cfg.steps):
-        st, metrics = _state.donated_train_step(st, batch(dataset.train_batch(step)))
-        pending.append((step, metrics["loss"]))
+        st, log = _state.logged_train_step(st, log, tokens, starts, dataset.config.seq_len, sharding)
+        pending.append(step)
         stop = bool(signals)
         last = step == cfg.steps - 1
         save = ckdir is not None and (last or stop or
                                       (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0))
         eval_now = cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last)
         if last or save or stop or eval_now:  # the state is read next: every queued step is waited for
-            read(unread + pending)
-            unread, pending = [], []
+            if unread:
+                read(*unread)
+            read(pending, _snapshot(log))
+            unread, pending = None, []
         elif len(pending) >= 10:
             # Reading the newest block's losses would wait for the device to finish every step queued so far,
             # and each block would then start on an empty device queue: read the block before it instead.
+            snap = _snapshot(log)
             if unread:
-                read(unread)
-            unread, pending = pending, []
+                read(*unread)
+            unread, pending = (pending, snap), []
         if eval_now:
             with throughput.pause(st):
                 res.val_curve.append([step + 1, _state.evaluate(st, val)])

@@ -21,6 +21,7 @@ import optax
 from flax import struct
 
 from .. import recipes as _recipes
+from . import data as _data
 from ..layers.state import (QUANT_STATE, WEIGHT_AMAX, collection_paths, merge_quant_state, weight_amax_paths,
                             weight_amaxes)
 from ..recipes import CustomRecipe
@@ -169,6 +170,24 @@ train_step.__doc__ = "One optimizer step on a batch {inputs, targets}: (state, b
 donated_train_step: Callable = jax.jit(_train_step, donate_argnums=0)
 donated_train_step.__doc__ = ("train_step writing the new state into the buffers of the state it is given, which is "
                               "consumed (use the one returned): the state is held once, not twice. The run loop's step.")
+
+
+def _logged_train_step(state: TrainState, log, tokens, starts, seq_len: int, sharding=None):
+    batch = _data.windows(tokens, starts[state.step], seq_len)
+    if sharding is not None:
+        batch = jax.lax.with_sharding_constraint(batch, sharding)
+    new, metrics = _train_step(state, batch)
+    return new, log.at[state.step % log.shape[0]].set(metrics["loss"])
+
+
+logged_train_step: Callable = jax.jit(_logged_train_step, static_argnums=(4, 5), donate_argnums=(0, 1))
+logged_train_step.__doc__ = (
+    "The run loop's step: (state, log, tokens, starts, seq_len[, sharding]) -> (state, log). The batch is cut on "
+    "the device (data.windows of the token array `tokens` at `starts[state.step]`, a data.train_starts_table; "
+    "`sharding`: the batch's) and the loss goes into log[state.step % len(log)]. State and log are donated, the "
+    "other arguments stay the same arrays, so the step's inputs and outputs keep their device addresses from one "
+    "step to the next and XLA replays its CUDA graphs as recorded; a new batch or metrics array every step "
+    "makes it record them again, which took the host longer than the device's step (docs/training.md).")
 eval_step: Callable = jax.jit(_eval_step)
 eval_step.__doc__ = "Validation loss of a batch; reads the state and leaves it unchanged: (state, batch) -> {loss}."
 
