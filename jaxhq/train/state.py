@@ -21,10 +21,10 @@ import optax
 from flax import struct
 
 from .. import recipes as _recipes
-from . import data as _data
 from ..layers.state import (QUANT_STATE, WEIGHT_AMAX, collection_paths, merge_quant_state, weight_amax_paths,
                             weight_amaxes)
 from ..recipes import CustomRecipe
+from . import data as _data
 
 
 
@@ -169,7 +169,8 @@ train_step: Callable = jax.jit(_train_step)
 train_step.__doc__ = "One optimizer step on a batch {inputs, targets}: (state, batch) -> (state, {loss, grad_norm})."
 donated_train_step: Callable = jax.jit(_train_step, donate_argnums=0)
 donated_train_step.__doc__ = ("train_step writing the new state into the buffers of the state it is given, which is "
-                              "consumed (use the one returned): the state is held once, not twice. The run loop's step.")
+                              "consumed (use the one returned): the state is held once, not twice. (The run loop runs "
+                              "logged_train_step, which also keeps its batch and loss on the device.)")
 
 
 def _logged_train_step(state: TrainState, log, tokens, starts, seq_len: int, sharding=None):
