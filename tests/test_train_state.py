@@ -228,3 +228,22 @@ def test_weight_amax_is_read_where_a_weight_copy_takes_one(ds, recipe, used, mon
     monkeypatch.setenv("JAXHQ_WEIGHT_AMAX", "0")
     jax.clear_caches()  # traced again, reading the switch
     assert loss(st) == loss(wrong)
+
+
+def test_logged_step_keeps_its_buffers(ds):
+    """The run loop's step writes the new state and loss log into the buffers it was given (donated) and reads
+    only arrays the loop keeps, so from the second step on every input and output stays at its device address:
+    what lets XLA replay the step's CUDA graphs without recording them again (docs/training.md). Its batch is
+    the one data.train_batch gives for the state's step: its loss is train_step's on that batch (two programs,
+    which XLA may fuse differently: rtol 1e-6, about 10 float32 ulps of these losses)."""
+    st = S.create(M.GPT(CFG, S.named_recipe("bf16")), S.make_optimizer(1e-2, 20, 2))
+    tokens, starts = jax.device_put(ds.train), jax.device_put(ds.train_starts_table(4))
+    log = jax.device_put(np.zeros(16, np.float32))
+    ptrs = lambda t: [x.unsafe_buffer_pointer() for x in jax.tree.leaves(t)]  # noqa: E731
+    st, log = S.logged_train_step(st, log, tokens, starts, ds.config.seq_len)  # the first may copy the log in
+    for i in range(1, 3):
+        before = ptrs((st, log))
+        _, want = S.train_step(st, ds.train_batch(i))
+        st, log = S.logged_train_step(st, log, tokens, starts, ds.config.seq_len)
+        assert ptrs((st, log)) == before
+        np.testing.assert_allclose(float(log[i]), float(want["loss"]), rtol=1e-6)
