@@ -85,12 +85,14 @@ def test_loop_reads_each_block_of_losses_one_block_late(tmp_path, monkeypatch):
     assert [s for s, _ in rep["runs"]["bf16"]["train_curve"]] == list(range(45))
 
 
-def test_loop_losses_are_the_steps_losses(tmp_path):
+def test_loop_losses_are_the_steps_losses(tmp_path, monkeypatch):
     """The losses the loop logs on the device are those train_step returns for the same batches (the loop's step
-    cuts its batches on the device: the same windows as data.train_batch). Two programs (the loop's donated step
+    cuts its batches on the device: the same windows as data.train_batch, across chunks of window starts, here of
+    5 steps). Two programs (the loop's donated step
     with its batch cut inside, and train_step), which XLA may fuse differently: float32 roundings apart, a few
     ulps of the loss after twelve steps; rtol 1e-6 is about 10 float32 ulps at these losses (5-6)."""
     from jaxhq.train import data as D, model as M, state as S
+    monkeypatch.setattr(R, "STARTS_CHUNK", 5)
     c = cfg(tmp_path, recipe="bf16", compare=(), steps=12, eval_every=0)
     rep = R.run(c, echo=lambda *_: None)["runs"]["bf16"]
     mc = M.preset("micro")

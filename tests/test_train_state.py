@@ -237,7 +237,7 @@ def test_logged_step_keeps_its_buffers(ds):
     the one data.train_batch gives for the state's step: its loss is train_step's on that batch (two programs,
     which XLA may fuse differently: rtol 1e-6, about 10 float32 ulps of these losses)."""
     st = S.create(M.GPT(CFG, S.named_recipe("bf16")), S.make_optimizer(1e-2, 20, 2))
-    tokens, starts = jax.device_put(ds.train), jax.device_put(ds.train_starts_table(4))
+    tokens, starts = jax.device_put(ds.train), jax.device_put(ds.train_starts_table(0, 4))
     log = jax.device_put(np.zeros(16, np.float32))
     ptrs = lambda t: [x.unsafe_buffer_pointer() for x in jax.tree.leaves(t)]  # noqa: E731
     st, log = S.logged_train_step(st, log, tokens, starts, ds.config.seq_len)  # the first may copy the log in

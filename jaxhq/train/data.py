@@ -81,10 +81,10 @@ class Dataset:
         """The batch of a training step: random windows drawn from (seed, step) only."""
         return windows(self.train, self.train_starts(step), self.config.seq_len)
 
-    def train_starts_table(self, steps: int) -> np.ndarray:
-        """train_starts of steps 0 .. steps - 1 as one int32 [steps, batch_size] array: with the train split on
-        the device, a step can cut its batch there (`windows` in jnp), and no batch is sent from the host."""
-        return np.stack([self.train_starts(s) for s in range(steps)]).astype(np.int32)
+    def train_starts_table(self, first: int, count: int) -> np.ndarray:
+        """train_starts of steps first .. first + count - 1 as one int32 [count, batch_size] array: with the train
+        split on the device, a step can cut its batch there (`windows` in jnp), and no batch is sent from the host."""
+        return np.stack([self.train_starts(s) for s in range(first, first + count)]).astype(np.int32)
 
     def val_batches(self, num_batches: int) -> list:
         """Fixed validation batches spread evenly over the split (the same for every recipe and step)."""

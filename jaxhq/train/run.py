@@ -163,6 +163,7 @@ class _Throughput:
 
 
 LOSS_LOG = 16  # the losses the loop's step keeps on the device (more than the 10 of a block it reads at once)
+STARTS_CHUNK = 1024  # the steps whose batches' window starts are on the device at once (a new table per chunk)
 _snapshot = jax.jit(lambda log: log + 0.0)  # a copy of the log, read while the steps after it overwrite the log
 
 
@@ -171,12 +172,12 @@ def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir, signals=()):
     from .sharded import batch_sharding, shard_batch
 
     val = [b if mesh is None else shard_batch(b, mesh) for b in dataset.val_batches(cfg.eval_batches)]
-    # The train split and every step's window starts go to the device once; the step cuts its batch there and
-    # logs its loss into `log` (state.logged_train_step), so its inputs and outputs keep their addresses.
+    # The train split goes to the device once, the window starts of the steps a chunk at a time; the step cuts its
+    # batch there and logs its loss into `log` (state.logged_train_step), so its inputs and outputs keep their
+    # addresses (XLA records its graphs again only when a new chunk of starts arrives).
     place = (lambda a: jax.device_put(a)) if mesh is None else \
         (lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
-    tokens, starts = place(dataset.train), place(dataset.train_starts_table(cfg.steps))
-    log = place(np.zeros(LOSS_LOG, np.float32))
+    tokens, log, starts = place(dataset.train), place(np.zeros(LOSS_LOG, np.float32)), None
     sharding = None if mesh is None else batch_sharding(mesh)
     throughput = _Throughput(dataset.tokens_per_batch)
     bar = _progress(cfg.steps, start, rec.name, cfg.progress)
@@ -196,6 +197,8 @@ def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir, signals=()):
             raise FloatingPointError(f"recipe {rec.name}: loss is {bad[1]} at step {bad[0]}")
 
     for step in range(start, cfg.steps):
+        if starts is None or step % STARTS_CHUNK == 0:  # rows step % STARTS_CHUNK of the chunk holding this step
+            starts = place(dataset.train_starts_table(step - step % STARTS_CHUNK, STARTS_CHUNK))
         st, log = _state.logged_train_step(st, log, tokens, starts, dataset.config.seq_len, sharding)
         pending.append(step)
         stop = bool(signals)

@@ -174,7 +174,7 @@ donated_train_step.__doc__ = ("train_step writing the new state into the buffers
 
 
 def _logged_train_step(state: TrainState, log, tokens, starts, seq_len: int, sharding=None):
-    batch = _data.windows(tokens, starts[state.step], seq_len)
+    batch = _data.windows(tokens, starts[state.step % starts.shape[0]], seq_len)
     if sharding is not None:
         batch = jax.lax.with_sharding_constraint(batch, sharding)
     new, metrics = _train_step(state, batch)
@@ -184,8 +184,9 @@ def _logged_train_step(state: TrainState, log, tokens, starts, seq_len: int, sha
 logged_train_step: Callable = jax.jit(_logged_train_step, static_argnums=(4, 5), donate_argnums=(0, 1))
 logged_train_step.__doc__ = (
     "The run loop's step: (state, log, tokens, starts, seq_len[, sharding]) -> (state, log). The batch is cut on "
-    "the device (data.windows of the token array `tokens` at `starts[state.step]`, a data.train_starts_table; "
-    "`sharding`: the batch's) and the loss goes into log[state.step % len(log)]. State and log are donated, the "
+    "the device (data.windows of the token array `tokens` at `starts[state.step % len(starts)]`, rows of "
+    "data.train_starts_table; `sharding`: the batch's) and the loss goes into log[state.step % len(log)]. "
+    "State and log are donated, the "
     "other arguments stay the same arrays, so the step's inputs and outputs keep their device addresses from one "
     "step to the next and XLA replays its CUDA graphs as recorded; a new batch or metrics array every step "
     "makes it record them again, which took the host longer than the device's step (docs/training.md).")
