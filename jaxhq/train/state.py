@@ -186,10 +186,10 @@ logged_train_step.__doc__ = (
     "The run loop's step: (state, log, tokens, starts, seq_len[, sharding]) -> (state, log). The batch is cut on "
     "the device (data.windows of the token array `tokens` at `starts[state.step % len(starts)]`, rows of "
     "data.train_starts_table; `sharding`: the batch's) and the loss goes into log[state.step % len(log)]. "
-    "State and log are donated, the "
-    "other arguments stay the same arrays, so the step's inputs and outputs keep their device addresses from one "
-    "step to the next and XLA replays its CUDA graphs as recorded; a new batch or metrics array every step "
-    "makes it record them again, which took the host longer than the device's step (docs/training.md).")
+    "State and log are donated and the other arguments stay the same arrays, so the step's inputs and outputs "
+    "keep their device addresses from one step to the next and XLA replays its CUDA graphs as recorded; a new "
+    "batch or metrics array every step makes it record them again, which took the host longer than the "
+    "device's step (docs/training.md).")
 eval_step: Callable = jax.jit(_eval_step)
 eval_step.__doc__ = "Validation loss of a batch; reads the state and leaves it unchanged: (state, batch) -> {loss}."
 
