@@ -1,8 +1,9 @@
 """One training step of a GPT-style stack under each recipe, against bf16 from the same run.
 
-For every recipe: the jitted forward + backward + AdamW step (state donated), timed after warm-up as the training
-loop runs it, --steps steps dispatched back to back (median of 3 such windows; `step_sync_ms`, the median with a
-device sync after every step, adds the host's dispatch time to each step); tokens/s; model FLOP utilisation (6 N T
+For every recipe: the jitted forward + backward + AdamW step as the training loop runs it (state.logged_train_step:
+state and loss log donated, the batch cut on the device, so XLA replays its CUDA graphs), timed after warm-up,
+--steps steps dispatched back to back (median of 3 such windows; `step_sync_ms`, the median with a device sync
+after every step, adds the host's dispatch time to each step); tokens/s; model FLOP utilisation (6 N T
 for the dense layers plus 6 L B S^2 d for causal attention, over the GPU's dense bf16 peak); the compiled program's
 memory (arguments + temporaries + outputs - donated aliases); and where the time goes, from a profile of the
 compiled step itself (step_profile.py): quantization (with any producer XLA fused into it), GEMMs, attention, the
@@ -94,26 +95,34 @@ def _run(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split
     model = M.GPT(cfg, recipe)
     tx = S.make_optimizer(1e-4, 1000, 10)
     state = S.create(model, tx)
-    tokens = jax.random.randint(jax.random.key(3), (batch, cfg.seq_len + 1), 0, cfg.vocab_size)
-    batch_d = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    step = jax.jit(S._train_step, donate_argnums=0)
+    # The loop's step (state.logged_train_step): the batch cut on the device from a token array (one window per
+    # row here, the same windows every step), the loss written into a donated log; its buffers stay in place.
+    tokens = jax.random.randint(jax.random.key(3), (batch * (cfg.seq_len + 1),), 0, cfg.vocab_size).astype(jnp.uint8)
+    starts = (jnp.arange(batch, dtype=jnp.int32) * (cfg.seq_len + 1))[None]
+    log = [jnp.zeros(16, jnp.float32)]  # the loss log each call donates and gets back
+    step = jax.jit(S._logged_train_step, static_argnums=(4, 5), donate_argnums=(0, 1))
     t0 = time.perf_counter()
-    compiled = step.lower(state, batch_d).compile()
+    compiled = step.lower(state, log[0], tokens, starts, cfg.seq_len, None).compile()
     compile_s = time.perf_counter() - t0
+
+    def call(exe, st):
+        """One step of the executable exe: (the next state, the loss log, which holds this step's loss)."""
+        st, log[0] = exe(st, log[0], tokens, starts)
+        return st, log[0]
     mem = compiled.memory_analysis()
     mem_bytes = None
     if mem is not None:
         mem_bytes = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
                      - mem.alias_size_in_bytes)
     for _ in range(warmup):
-        state, m = compiled(state, batch_d)
+        state, m = call(compiled, state)
         jax.block_until_ready(m)
     timed = compiled  # (`compiled` becomes the profiled build below)
 
     def back_to_back_n(st, n):
         """`n` steps dispatched back to back from st, waited for: the state after them."""
         for _ in range(n):
-            st, out = timed(st, batch_d)
+            st, out = call(timed, st)
         jax.block_until_ready(out)
         return st
 
@@ -126,7 +135,7 @@ def _run(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split
     def window() -> float:  # a later round: a fresh state, warmed up as long as it is timed
         st = S.create(model, tx)
         for _ in range(max(warmup, steps)):
-            st, _ = timed(st, batch_d)
+            st, _ = call(timed, st)
         return back_to_back(jax.block_until_ready(st))[1]
 
     # step_ms: steps dispatched back to back, as the training loop runs them (the host queues the next step
@@ -139,14 +148,14 @@ def _run(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        state, m = compiled(state, batch_d)
+        state, m = call(compiled, state)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t)
     step_s = float(np.median(windows))
     row = dict(recipe=name, step_ms=1e3 * step_s, step_sync_ms=1e3 * float(np.median(times)),
                tokens_per_s=batch * cfg.seq_len / step_s,
                memory_gib=None if mem_bytes is None else mem_bytes / 2 ** 30, compile_s=compile_s,
-               loss=float(m["loss"]))
+               loss=float(m[(int(state.step) - 1) % m.shape[0]]))
     peak = peak_flops()
     row["mfu"] = None if peak is None else step_flops(cfg, batch) / step_s / peak
     if split:  # profiled on a compile without CUDA graphs, so each op shows (step_profile.NO_GRAPHS)
@@ -158,12 +167,12 @@ def _run(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split
         busy = device_busy(timed_steps, n_prof)
         opts = NO_GRAPHS if jax.default_backend() == "gpu" else {}
         try:
-            compiled = step.lower(holder[0], batch_d).compile(compiler_options=opts)
+            compiled = step.lower(holder[0], log[0], tokens, starts, cfg.seq_len, None).compile(compiler_options=opts)
         except Exception as e:  # noqa: BLE001 - an XLA without the option: profile the graphs as they are
             row["profile_note"] = f"graphs kept: {type(e).__name__}"
 
         def one_step():
-            holder[0], out = compiled(holder[0], batch_d)
+            holder[0], out = call(compiled, holder[0])
             jax.block_until_ready(out)
 
         prof = profile_step(one_step, n_prof, compiled.as_text(), step_s, busy)

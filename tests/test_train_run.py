@@ -126,8 +126,8 @@ def test_loop_stops_on_a_nan_loss_within_two_blocks(tmp_path, monkeypatch):
 def test_loop_on_a_mesh_cuts_sharded_batches(tmp_path):
     """With a mesh (two CPU devices, data=2) the loop's step (its batch cut on the devices, constrained to the
     batch's sharding) gives the unsharded run's losses (the same command on the CPU without the mesh) up to the
-    order of the split reductions (the loss's mean over the batch and the gradients' sums over two halves: float32 roundings, a
-    few ulps a step; 1e-5 leaves room for six steps of them)."""
+    order of the split reductions (the loss's mean over the batch and the gradients' sums over two halves:
+    float32 roundings, a few ulps a step; 1e-5 leaves room for six steps of them)."""
     import os
     import subprocess
     import sys
