@@ -31,6 +31,8 @@ def test_run_writes_report_plot_and_table(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
     text = "\n".join(lines)
     assert "mxfp8" in text and f"{m['val_gap_pct']:+.2f}%" in text and rep["table"] in text
+    assert m["speed_vs_baseline"] == m["tokens_per_s"] / b["tokens_per_s"]  # timed: six steps, one after the first
+    assert "speed vs bf16" in text and f"{m['speed_vs_baseline']:.2f}x" in text
 
 
 def test_resume_continues_the_curve(tmp_path):

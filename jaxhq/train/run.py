@@ -244,15 +244,23 @@ def gap_pct(value: float, base: float) -> float:
     return 100.0 * (value - base) / base
 
 
+def speed_ratio(r: RunResult, base: RunResult) -> float:
+    """r's training tokens/s over the baseline's (nan where either was not timed)."""
+    return r.tokens_per_s / base.tokens_per_s if base.tokens_per_s > 0 else math.nan
+
+
 def table(results: list, baseline: Optional[str]) -> str:
-    """The final table: train and validation loss per recipe and the validation gap to the baseline."""
+    """The final table: train and validation loss per recipe, the validation gap to the baseline, tokens/s and
+    its ratio to the baseline's."""
     base = next((r for r in results if r.recipe == baseline), None)
-    head = ("recipe", "train loss", "val loss", f"val vs {baseline}" if base else "", "tokens/s")
+    head = ("recipe", "train loss", "val loss", f"val vs {baseline}" if base else "", "tokens/s",
+            f"speed vs {baseline}" if base else "")
     rows = []
     for r in results:
         gap = "" if base is None or r is base else f"{gap_pct(r.final_val_loss, base.final_val_loss):+.2f}%"
+        speed = "" if base is None or r is base else f"{speed_ratio(r, base):.2f}x"
         rows.append((r.recipe, f"{r.final_train_loss:.4f}", f"{r.final_val_loss:.4f}", gap,
-                     f"{r.tokens_per_s:,.0f}" if math.isfinite(r.tokens_per_s) else "-"))
+                     f"{r.tokens_per_s:,.0f}" if math.isfinite(r.tokens_per_s) else "-", speed))
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     fmt = "  ".join("{:<%d}" % w for w in widths)
     return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
@@ -302,6 +310,7 @@ def report(results: list, cfg: RunConfig, model_config: _model.GPTConfig, datase
         if base is not None and r is not base:
             d["val_gap_pct"] = gap_pct(r.final_val_loss, base.final_val_loss)
             d["train_gap_pct"] = gap_pct(r.final_train_loss, base.final_train_loss)
+            d["speed_vs_baseline"] = speed_ratio(r, base)
         runs[r.recipe] = d
     dev = jax.devices()[0]
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
