@@ -37,6 +37,7 @@ from common import environ, parser, print_table, write_json  # noqa: E402
 from step_profile import CATEGORIES, NO_GRAPHS, device_busy, profile_step  # noqa: E402
 
 from jaxhq.train import model as M, state as S  # noqa: E402
+from jaxhq.train.run import LOSS_LOG  # noqa: E402
 
 RECIPES = ["bf16", "fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", "hybrid:mxfp8:nvfp4"]
 PRESETS = {  # config, batch size
@@ -99,8 +100,8 @@ def _run(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int, split
     # row here, the same windows every step), the loss written into a donated log; its buffers stay in place.
     tokens = jax.random.randint(jax.random.key(3), (batch * (cfg.seq_len + 1),), 0, cfg.vocab_size).astype(jnp.uint8)
     starts = (jnp.arange(batch, dtype=jnp.int32) * (cfg.seq_len + 1))[None]
-    log = [jnp.zeros(16, jnp.float32)]  # the loss log each call donates and gets back
-    step = jax.jit(S._logged_train_step, static_argnums=(4, 5), donate_argnums=(0, 1))
+    log = [jnp.zeros(LOSS_LOG, jnp.float32)]  # the loss log each call donates and gets back
+    step = S.logged_train_step
     t0 = time.perf_counter()
     compiled = step.lower(state, log[0], tokens, starts, cfg.seq_len, None).compile()
     compile_s = time.perf_counter() - t0

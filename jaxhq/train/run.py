@@ -164,7 +164,9 @@ class _Throughput:
 
 LOSS_LOG = 16  # the losses the loop's step keeps on the device (more than the 10 of a block it reads at once)
 STARTS_CHUNK = 1024  # the steps whose batches' window starts are on the device at once (a new table per chunk)
-_snapshot = jax.jit(lambda log: log + 0.0)  # a copy of the log, read while the steps after it overwrite the log
+# A copy of the log, read while the steps after it overwrite the log ("+ 0": a jitted identity hands back its
+# input array itself, which the next step's donation would delete).
+_snapshot = jax.jit(lambda log: log + 0.0)
 
 
 def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir, signals=()):
@@ -175,8 +177,8 @@ def _loop(st, start, rec, cfg, dataset, mesh, res, ckdir, signals=()):
     # The train split goes to the device once, the window starts of the steps a chunk at a time; the step cuts its
     # batch there and logs its loss into `log` (state.logged_train_step), so its inputs and outputs keep their
     # addresses (XLA records its graphs again only when a new chunk of starts arrives).
-    place = (lambda a: jax.device_put(a)) if mesh is None else \
-        (lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
+    replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    place = lambda a: jax.device_put(a, replicated)  # noqa: E731
     tokens, log, starts = place(dataset.train), place(np.zeros(LOSS_LOG, np.float32)), None
     sharding = None if mesh is None else batch_sharding(mesh)
     throughput = _Throughput(dataset.tokens_per_batch)

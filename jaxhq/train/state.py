@@ -55,8 +55,7 @@ class TrainState:
         recipe keeps one (every quantized copy is made again from the master weights by the next step)."""
         model = self.model.clone(recipe=recipe if isinstance(recipe, CustomRecipe) else named_recipe(recipe))
         qs = init_quant_state(model, self.params)
-        return self.replace(model=model, quant_state=qs,
-                            weight_amax=_weight_amaxes(self.params, weight_amax_paths(model, _example(model))))
+        return self.replace(model=model, quant_state=qs, weight_amax=_model_weight_amaxes(model, self.params))
 
     def with_params(self, params, **fields) -> "TrainState":
         """The state with other params (and any other `fields`), their kernels' amaxes computed again."""
@@ -106,6 +105,11 @@ def _commit(tree):
 _weight_amaxes = jax.jit(weight_amaxes, static_argnums=1)
 
 
+def _model_weight_amaxes(model, params):
+    """The "weight_amax" collection of `params` for the kernels whose copies read one under model's recipe."""
+    return _weight_amaxes(params, weight_amax_paths(model, _example(model)))
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _init(model, pkey, qkey):
     return model.init({"params": pkey, "quant": qkey}, _example(model))
@@ -119,7 +123,7 @@ def create(model: nn.Module, tx: optax.GradientTransformation, seed: int = 0) ->
     params = nn.meta.unbox(variables["params"])
     arrays = dict(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                   quant_state=variables.get(QUANT_STATE, {}), key=jax.random.key_data(qkey),
-                  weight_amax=weight_amaxes(params, weight_amax_paths(model, _example(model))))
+                  weight_amax=_model_weight_amaxes(model, params))
     return TrainState(**_commit(arrays), model=model, tx=tx)
 
 
