@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: build the extension with CUDA, then run the GPU tests or the benchmarks; logs and JSON go
-# to OUTDIR. Usage: scripts/gpu_check.sh tests|bench [OUTDIR]   (JAXHQ_CUDA_ARCHS=90a by default; 100a: Blackwell)
+# to OUTDIR. Usage: scripts/gpu_check.sh tests|bench [OUTDIR]   (JAXHQ_CUDA_ARCHS=90a by default; 100a: Blackwell;
+# CUTLASS's headers from JAXHQ_CUTLASS_DIR, or unpacked from CUTLASS_WHEEL or .whl/nvidia_cutlass-*.whl)
 #   tests: the kernel tests (-m gpu; the quantize and activation-gradient tests once per kernel variant in VARIANTS,
 #          default: the default one) and the dense-op and layer tests on the GPU backend, side by side
 #   multi: (>= 2 GPUs) the sharding tests, then benchmarks/fsdp.py --gpu (FSDP_ARGS): what only a multi-GPU machine runs
@@ -26,6 +27,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 $PY -c "import jax, jaxlib, nanobind; print('jax', jax.__version__, 'nanobind', nanobind.__version__, jax.devices())"
 
 log "build (CUDA ${JAXHQ_CUDA_ARCHS:-90a})"
+# CUTLASS's headers (the grouped FP8 kernel) from an nvidia-cutlass wheel: CUTLASS_WHEEL, else one in .whl/
+WHEEL=${CUTLASS_WHEEL:-$(ls .whl/nvidia_cutlass-*.whl 2>/dev/null | head -1)}
+if [ -z "${JAXHQ_CUTLASS_DIR:-}" ] && [ -n "$WHEEL" ]; then
+  rm -rf /tmp/jaxhq_cutlass && $PY -m zipfile -e "$WHEEL" /tmp/jaxhq_cutlass \
+    && export JAXHQ_CUTLASS_DIR=/tmp/jaxhq_cutlass/cutlass_library/source/include
+fi
+echo "CUTLASS headers: ${JAXHQ_CUTLASS_DIR:-none}"
 rm -rf /tmp/jaxhq_site
 JAXHQ_CUDA=ON JAXHQ_CUDA_ARCHS=${JAXHQ_CUDA_ARCHS:-90a} CMAKE_BUILD_PARALLEL_LEVEL=16 \
   $PY -m pip install --no-build-isolation --no-deps --no-index -v --target /tmp/jaxhq_site . \

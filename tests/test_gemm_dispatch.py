@@ -96,3 +96,38 @@ def test_wgmma_kernels_keep_codes(monkeypatch):
     assert table.decoded_copies(nv, ("rowwise",)) == () and table.decoded_copies(mx, ("rowwise",)) == ("rowwise",)
     monkeypatch.setenv("JAXHQ_MXFP8_GEMM", "wgmma")
     assert table.decoded_copies(mx, ("rowwise",)) == ()
+
+
+def test_cutlass_grouped_choice(monkeypatch):
+    """Which grouped per-tensor FP8 calls take CUTLASS's kernel: "auto" where it is built and applies (per-tensor
+    scales, E4M3 weights, bf16 out, no bias, K % 16, N % 8) and CUTLASS_GROUPED_WINS says it wins, "cutlass" or an
+    error naming why not, "wgmma" and "cublaslt" never. Faked here: a Hopper with the CUTLASS target registered."""
+    from jaxhq.formats import Float8Block, Float8CurrentScaling
+    rng = np.random.default_rng(0)
+    q = lambda shape, fmt="e4m3": quantize(jnp.asarray(rng.standard_normal(shape), jnp.float32),  # noqa: E731
+                                           Float8CurrentScaling(fmt), "rowwise").rowwise
+    a, b = q((64, 128)), q((32, 128))
+    choose = lambda *args, kernel="auto": G._fp8_grouped_cutlass(*args, kernel, "t")  # noqa: E731
+    with pytest.raises(G.GemmUnsupported, match="built without CUTLASS|Hopper"):  # this machine: neither
+        choose(a, b, 32, 128, 4, jnp.bfloat16, None, kernel="cutlass")
+    assert not choose(a, b, 32, 128, 4, jnp.bfloat16, None)
+    monkeypatch.setattr(G, "_hopper", lambda: True)
+    monkeypatch.setattr(G, "_cuda_targets", lambda: [G.FP8_CUTLASS_GROUPED])
+    assert choose(a, b, 32, 128, 4, jnp.bfloat16, None) and choose(a, b, 32, 128, 4, jnp.bfloat16, None,
+                                                                     kernel="cutlass")
+    assert not choose(a, b, 32, 128, 4, jnp.bfloat16, None, kernel="wgmma")
+    assert not choose(a, b, 32, 128, 4, jnp.bfloat16, None, kernel="cublaslt")
+    unfit = [((a, b, 32, 128, 4, jnp.float32, None), "float32 output"),
+             ((a, b, 32, 128, 4, jnp.bfloat16, jnp.zeros((4, 32))), "bias"),
+             ((a, q((32, 128), "e5m2"), 32, 128, 4, jnp.bfloat16, None), "E5M2 weights"),
+             ((a, b, 36, 128, 4, jnp.bfloat16, None), "N = 36"),
+             ((a, b, 32, 128, 2000, jnp.bfloat16, None), "2000 groups")]
+    blk = quantize(jnp.ones((64, 128), jnp.float32), Float8Block((1, 128)), "rowwise").rowwise
+    unfit.append(((blk, b, 32, 128, 4, jnp.bfloat16, None), "blockwise"))
+    for args, why in unfit:
+        assert not choose(*args), why
+        with pytest.raises(G.GemmUnsupported, match=why):
+            choose(*args, kernel="cutlass")
+    monkeypatch.setattr(G, "CUTLASS_GROUPED_WINS", False)
+    assert not choose(a, b, 32, 128, 4, jnp.bfloat16, None)
+    assert choose(a, b, 32, 128, 4, jnp.bfloat16, None, kernel="cutlass")

@@ -576,8 +576,11 @@ WGMMA_GROUPED = {  # (A quantizer, B quantizer, FFI target) on the FP8 wgmma ker
 }
 
 
-@pytest.mark.parametrize("sizes", [[5, 0, 700, 200], [128, 256, 1, 127, 300], [0, 0], [600, 600]],
-                         ids=["ragged", "tile-edges", "empty", "clamped"])
+GROUPED_SIZES = [[5, 0, 700, 200], [128, 256, 1, 127, 300], [0, 0], [600, 600]]
+GROUPED_IDS = ["ragged", "tile-edges", "empty", "clamped"]
+
+
+@pytest.mark.parametrize("sizes", GROUPED_SIZES, ids=GROUPED_IDS)
 @pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "accumulate"])
 @pytest.mark.parametrize("recipe", sorted(WGMMA_GROUPED))
 def test_wgmma_grouped(recipe, sizes, accumulate):
@@ -593,6 +596,46 @@ def test_wgmma_grouped_unpaired(recipe, monkeypatch):
     """The kernel launched without clusters (JAXHQ_WGMMA_CLUSTER=1: each CTA loads its whole A tile)."""
     monkeypatch.setenv("JAXHQ_WGMMA_CLUSTER", "1")
     _wgmma_grouped_case(recipe, [5, 0, 700, 200], True)
+
+
+@pytest.mark.parametrize("sizes", GROUPED_SIZES, ids=GROUPED_IDS)
+@pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "accumulate"])
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["promoted", "fast"])
+@pytest.mark.parametrize("a_fmt", ["e4m3", "e5m2"])
+def test_cutlass_grouped(a_fmt, fast_accum, accumulate, sizes):
+    """Per-tensor FP8 grouped on CUTLASS's kernel (its problems built on the device from the group sizes), bf16
+    out: ragged, tile-edge, empty and clamped groups as in test_wgmma_grouped, K = 528 (a partial last 128-wide
+    K tile), N = 1064 (a partial last tile column), E4M3 or E5M2 A, promoted or fast accumulation; "auto"
+    takes this kernel for such a call and the wgmma kernel once a bias is given."""
+    _hopper_only()
+    if G.FP8_CUTLASS_GROUPED not in G._cuda_targets():
+        pytest.skip("the extension was built without CUTLASS (pip install nvidia-cutlass before building)")
+    rng, seed = _rng()
+    t, k, n = 1000, 528, 1064
+    a = quantize(jnp.asarray(rng.standard_normal((t, k)) * rng.uniform(0.5, 4), jnp.float32),
+                 Float8CurrentScaling(a_fmt), "rowwise").rowwise
+    bs = G.stack_storages([quantize(jnp.asarray(rng.standard_normal((n, k)) * rng.uniform(0.01, 0.1), jnp.float32),
+                                    Float8CurrentScaling("e4m3"), "rowwise").rowwise for _ in sizes])
+    gs = jnp.asarray(sizes, jnp.int32)
+    c = jnp.asarray(rng.standard_normal((t, n)), jnp.bfloat16) if accumulate else None
+    fn = jax.jit(lambda a, bs, gs, c: G.grouped_gemm(a, bs, gs, jnp.bfloat16, accumulate=c, fast_accum=fast_accum,
+                                                     kernel="auto"))
+    assert G.FP8_CUTLASS_GROUPED in fn.lower(a, bs, gs, c).as_text()
+    with_bias = jax.jit(lambda a, bs, gs, bias: G.grouped_gemm(a, bs, gs, jnp.bfloat16, bias=bias))
+    assert G.FP8_WGMMA_GROUPED in with_bias.lower(a, bs, gs, jnp.zeros((len(sizes), n))).as_text()
+    out = np.asarray(_poisoned_call(fn, a, bs, gs, c, shape=(t, n), dtype=jnp.bfloat16), np.float64)
+    av, start = _dequant64(a), 0
+    ref = np.zeros((t, n)) if c is None else np.asarray(c, np.float64).copy()
+    for g, size in enumerate(sizes):
+        size = min(size, t - start)
+        ref[start:start + size] += av[start:start + size] @ _dequant64(jax.tree.map(lambda x: x[g], bs)).T
+        start += size
+    if not accumulate:
+        assert (out[start:] == 0).all(), "rows past the groups must be zero"
+        if start == 0:
+            return
+    _check(out, ref, jnp.bfloat16, f"cutlass grouped {a_fmt} fast={fast_accum} {sizes} accumulate={accumulate} "
+                                   f"seed={seed}")
 
 
 def _wgmma_grouped_case(recipe, sizes, accumulate):

@@ -24,8 +24,9 @@ from ..formats import Storage
 
 FP8_TARGET, DQ_TARGET, MX_TARGET, NV_TARGET = "jaxhq_gemm_fp8", "jaxhq_gemm_dq", "jaxhq_gemm_mxfp8", "jaxhq_gemm_nvfp4"
 KERNELS = ("auto", "wgmma", "dequantize")  # the MXFP8 / NVFP4 kernel choices of blockscaled_gemm / grouped_gemm
-FP8_GROUPED_KERNELS = ("auto", "wgmma", "cublaslt")  # grouped_gemm's choices for per-tensor / blockwise FP8
+FP8_GROUPED_KERNELS = ("auto", "wgmma", "cublaslt", "cutlass")  # grouped_gemm's choices for per-tensor / blockwise FP8
 FP8_WGMMA_GROUPED = "jaxhq_gemm_fp8_wgmma_grouped"
+FP8_CUTLASS_GROUPED = "jaxhq_gemm_fp8_cutlass_grouped"
 MODE_TENSOR, MODE_VEC128, MODE_BLK128 = 0, 1, 2
 FMT_MX_E4M3, FMT_MX_E5M2, FMT_NVFP4 = 1, 2, 3
 # cuBLASLt's block-scale layout: 1x128 scales M-major [K/128, roundup(M, 4)], 128x128 scales K-major
@@ -254,9 +255,43 @@ def _use_wgmma(fa: int, fb: int, n: int, k: int, kernel: str, name: str, groups:
 
 def _fp8_grouped_wgmma(n: int, k: int, groups: int, kernel: str, name: str) -> bool:
     """Whether a grouped per-tensor / blockwise FP8 GEMM runs on the FP8 wgmma kernel (group sizes read on the
-    device): "auto" wherever it applies, "wgmma" requires it, "cublaslt" never."""
+    device): "auto" wherever it applies, "wgmma" requires it, "cublaslt" and "cutlass" never."""
     settled = _settled(kernel, FP8_GROUPED_KERNELS, _wgmma_unfit(n, k, groups), name)
     return True if settled is None else settled
+
+
+# Whether "auto" takes CUTLASS's grouped kernel for per-tensor FP8 where it applies (the handwritten wgmma kernel
+# otherwise): see docs/gemm.md for the measurements.
+CUTLASS_GROUPED_WINS = True
+
+
+def _cutlass_grouped_unfit(a, b0, n: int, k: int, groups: int, out_dtype, bias) -> str:
+    """Why CUTLASS's grouped per-tensor FP8 kernel (fp8_cutlass_grouped.h) cannot take this call ("" when it
+    can): built only with CUTLASS's headers; per-tensor scales, E4M3 weights, bf16 out, no bias, K % 16, N % 8."""
+    return ("the extension was built without CUTLASS" if FP8_CUTLASS_GROUPED not in _cuda_targets()
+            else "the GPU is not a Hopper (sm_90a)" if not _hopper()
+            else "blockwise scales" if _fp8_mode(a, "") != MODE_TENSOR
+            else "E5M2 weights" if b0.data.dtype != jnp.float8_e4m3fn
+            else f"{jnp.dtype(out_dtype).name} output (bf16 only)" if jnp.dtype(out_dtype) != jnp.bfloat16
+            else "a bias" if bias is not None
+            else f"K = {k} is not a multiple of 16" if k % 16 else f"N = {n} is not a multiple of 8" if n % 8
+            else f"{groups} groups (at most 1024)" if groups > 1024 else "")
+
+
+def _cuda_targets() -> list:
+    from . import registered_targets
+    return registered_targets().get("cuda", []) if jax.default_backend() in ("gpu", "cuda") else []
+
+
+def _fp8_grouped_cutlass(a, b0, n, k, groups, out_dtype, bias, kernel: str, name: str) -> bool:
+    """Whether a grouped FP8 GEMM runs on CUTLASS's kernel: "cutlass" requires it, "auto" takes it where it
+    applies and wins (CUTLASS_GROUPED_WINS), the other choices never."""
+    if kernel not in ("auto", "cutlass"):
+        return False
+    why = _cutlass_grouped_unfit(a, b0, n, k, groups, out_dtype, bias)
+    if kernel == "cutlass" and why:
+        raise GemmUnsupported(f"{name}: the CUTLASS kernel does not apply: {why}")
+    return not why and (kernel == "cutlass" or CUTLASS_GROUPED_WINS)
 
 
 def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=None, accumulate=None,
@@ -354,6 +389,15 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
             raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
         operands = (a.data, jnp.asarray(a.scale_inv, jnp.float32), stacked.data,
                     jnp.asarray(stacked.scale_inv, jnp.float32), sizes, bias_, c)
+        if _fp8_grouped_cutlass(a, b0, n, k, g, out_dtype, bias, kernel, name):
+            e5m2 = a.data.dtype == jnp.float8_e5m2
+            from . import load
+            ws = int(load().cutlass_grouped_workspace_bytes(g, e5m2, bool(fast_accum)))
+            call = jax.ffi.ffi_call(FP8_CUTLASS_GROUPED, (jax.ShapeDtypeStruct((t, n), out_dtype),
+                                                          jax.ShapeDtypeStruct((ws,), jnp.uint8)),
+                                    input_output_aliases={5: 0} if aliases else {}, vmap_method="sequential")
+            return call(*operands[:5], c, accumulate=np.int32(accumulate is not None),
+                        fast_accum=np.int32(fast_accum))[0]
         if _fp8_grouped_wgmma(n, k, g, kernel, name):
             call = jax.ffi.ffi_call(FP8_WGMMA_GROUPED, jax.ShapeDtypeStruct((t, n), out_dtype),
                                     input_output_aliases=aliases, vmap_method="sequential")

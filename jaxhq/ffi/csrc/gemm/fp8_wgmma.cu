@@ -391,8 +391,14 @@ std::string wgmma_gemm(int scaling, const WgmmaOperand& a, const WgmmaOperand& b
                   : j == 1 ? launch_types<1>(a.e5m2, b.e5m2, out_f32, maps, p, s)
                            : launch_types<0>(a.e5m2, b.e5m2, out_f32, maps, p, s);
   if (!e.empty() || groups == 0 || accumulate) return e;
-  zero_past_groups_kernel<<<unsigned(std::min<int64_t>(cdiv(a.rows * n, 256), 1024)), 256, 0, s>>>(
-      out, group_sizes, int(groups), a.rows, n, out_f32 ? 4 : 2);
+  return zero_past_groups(out, group_sizes, groups, a.rows, n, out_f32, s);
+}
+
+std::string zero_past_groups(void* out, const int32_t* group_sizes, int64_t groups, int64_t m, int64_t n,
+                             bool out_f32, cudaStream_t s) {
+  if (m * n == 0) return "";
+  zero_past_groups_kernel<<<unsigned(std::min<int64_t>(cdiv(m * n, 256), 1024)), 256, 0, s>>>(
+      out, group_sizes, int(groups), m, n, out_f32 ? 4 : 2);
   cudaError_t ce = cudaGetLastError();
   return ce == cudaSuccess ? "" : cudaGetErrorString(ce);
 }

@@ -42,6 +42,10 @@ std::string wgmma_gemm(int scaling, const WgmmaOperand& a, const WgmmaOperand& b
                        const int32_t* group_sizes, int64_t groups, void* out, bool out_f32, const void* bias,
                        bool accumulate, void* sa_tmp, void* sb_tmp, cudaStream_t s);
 
+// Zeroes rows [sum of the group sizes clamped to m, m) of out [m, n] (bf16 or fp32), the sizes read on the device.
+std::string zero_past_groups(void* out, const int32_t* group_sizes, int64_t groups, int64_t m, int64_t n,
+                             bool out_f32, cudaStream_t s);
+
 // NVFP4 x NVFP4 (E2M1 codes [rows, k / 2] bytes, E4M3 scales [rows, k / 16]; `e5m2` unused), dense: out = the
 // product of the decoded operands times *alpha (the two global decodes, on the device). sa_tmp / sb_tmp: scratch
 // of nvfp4_wgmma_scale_bytes(rows, k) each.

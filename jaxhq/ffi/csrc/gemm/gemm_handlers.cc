@@ -8,6 +8,8 @@
 //   jaxhq_gemm_nvfp4: NVFP4 on Hopper fp16 tensor cores (nvfp4_wgmma.cu), the codes decoded in shared memory.
 //   jaxhq_gemm_fp8_wgmma_grouped: per-tensor / blockwise FP8 grouped on the same kernel (Hopper), the group
 //                   sizes read on the device; jaxhq_gemm_fp8_grouped is its cuBLASLt form (host sizes).
+//   jaxhq_gemm_fp8_cutlass_grouped: per-tensor FP8 grouped on CUTLASS's sm90 pointer-array kernel (built with
+//                   the CUTLASS headers), the group sizes read on the device, its tables in a workspace result.
 // Optional bias [N] and accumulate-into (out aliases the `c` input). The dense handlers take their cuBLASLt
 // workspace and temporaries from a workspace result that XLA allocates with the call (sized by
 // jaxhq/ffi/gemm.py), so they are command-buffer compatible: XLA records them into its CUDA graphs with the
@@ -30,6 +32,9 @@
 #include "gemm_kernels.h"
 #include "fp8_wgmma.h"
 #include "registry.h"
+#ifdef JAXHQ_WITH_CUTLASS
+#include "fp8_cutlass_grouped.h"
+#endif
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -761,7 +766,7 @@ ffi::Error run_groups(cudaStream_t stream, Scratch& scratch, LtCall base, const 
   return ffi::Error::Success();
 }
 
-ffi::Error check_grouped_out(int64_t t, int64_t g, int64_t n, const ffi::AnyBuffer& bias, const ffi::AnyBuffer& cin,
+ffi::Error check_grouped_out(int64_t t, int64_t g, int64_t n, const ffi::AnyBuffer* bias, const ffi::AnyBuffer& cin,
                              ffi::Result<ffi::AnyBuffer>& out, int32_t accumulate, LtCall* c) {
   if (!is_2d(*out, t, n)) return invalid("output is " + dims(*out) + ", expected [" + std::to_string(t) + ", " + std::to_string(n) + "]");
   if (auto e = out_type_of(out->dimensions(), out->element_type(), &c->out_type); e.failure()) return e;
@@ -771,10 +776,10 @@ ffi::Error check_grouped_out(int64_t t, int64_t g, int64_t n, const ffi::AnyBuff
                         cin.untyped_data() != out->untyped_data()))
     return invalid("accumulate needs c [T, N] of the output dtype, aliased to the output; got " + dims(cin));
   c->bias = nullptr;
-  if (bias.element_count() > 0) {
-    if (int64_t(bias.element_count()) != g * n || bias.element_type() != out->element_type())
-      return invalid("grouped bias must be [G, N] = [" + std::to_string(g) + ", " + std::to_string(n) + "] of the output dtype, got " + dims(bias));
-    c->bias = bias.untyped_data();
+  if (bias && bias->element_count() > 0) {
+    if (int64_t(bias->element_count()) != g * n || bias->element_type() != out->element_type())
+      return invalid("grouped bias must be [G, N] = [" + std::to_string(g) + ", " + std::to_string(n) + "] of the output dtype, got " + dims(*bias));
+    c->bias = bias->untyped_data();
   }
   return ffi::Error::Success();
 }
@@ -812,7 +817,7 @@ ffi::Error gemm_fp8_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ff
   int64_t t, groups;
   if (auto e = check_fp8_grouped(a, sa, b, sb, mode_a, mode_b, &c, &t, &groups); e.failure()) return e;
   const int64_t k = c.k, n = c.n;
-  if (auto e = check_grouped_out(t, groups, n, bias, cin, out, accumulate, &c); e.failure()) return e;
+  if (auto e = check_grouped_out(t, groups, n, &bias, cin, out, accumulate, &c); e.failure()) return e;
   std::vector<int64_t> starts, sizes;
   if (auto e = host_sizes(stream, gs, groups, t, &starts, &sizes); e.failure()) return e;
   c.fast_accum = fast_accum != 0;
@@ -844,7 +849,7 @@ ffi::Error gemm_dq_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi
   if (auto e = check_dq(b, sb, groups, n, fmt_b, k, "B"); e.failure()) return e;
   LtCall c{};
   c.n = n, c.k = k;
-  if (auto e = check_grouped_out(t, groups, n, bias, cin, out, accumulate, &c); e.failure()) return e;
+  if (auto e = check_grouped_out(t, groups, n, &bias, cin, out, accumulate, &c); e.failure()) return e;
   std::vector<int64_t> starts, sizes;
   if (auto e = host_sizes(stream, gs, groups, t, &starts, &sizes); e.failure()) return e;
   void *dqa = nullptr, *dqb = nullptr;
@@ -910,7 +915,7 @@ ffi::Error run_wgmma_grouped(cudaStream_t stream, Scratch& scratch, int scaling,
                              ffi::Result<ffi::AnyBuffer>& out, int32_t accumulate) {
   if (auto e = check_sizes(gs, groups); e.failure()) return e;
   LtCall c{};
-  if (auto e = check_grouped_out(t, groups, n, bias, cin, out, accumulate, &c); e.failure()) return e;
+  if (auto e = check_grouped_out(t, groups, n, &bias, cin, out, accumulate, &c); e.failure()) return e;
   if (groups > 0)
     return run_wgmma(stream, scratch, scaling, a, b, n, k, static_cast<const int32_t*>(gs.untyped_data()), groups, c);
   if (!c.accumulate && t * n > 0 &&
@@ -995,6 +1000,36 @@ ffi::Error gemm_fp8_wgmma_grouped(cudaStream_t stream, ffi::ScratchAllocator all
   return run_wgmma_grouped(stream, scratch, mode_a == kTensor ? gemm::kScaleTensor : gemm::kScaleBlock, oa, ob, t,
                            c.n, c.k, gs, groups, bias, cin, out, accumulate);
 }
+#ifdef JAXHQ_WITH_CUTLASS
+// ---- Per-tensor FP8 grouped on CUTLASS (fp8_cutlass_grouped.cu): the group sizes read on the device, the
+// per-group tables and CUTLASS's own workspace in the workspace result, so the call is graphable.
+ffi::Error gemm_fp8_cutlass_grouped(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi::AnyBuffer b,
+                                    ffi::AnyBuffer sb, ffi::AnyBuffer gs, ffi::AnyBuffer cin,
+                                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
+                                    int32_t accumulate, int32_t fast_accum) {
+  LtCall c{};
+  int64_t t, groups;
+  if (auto e = check_fp8_grouped(a, sa, b, sb, kTensor, kTensor, &c, &t, &groups); e.failure()) return e;
+  if (auto e = check_sizes(gs, groups); e.failure()) return e;
+  if (auto e = check_grouped_out(t, groups, c.n, nullptr, cin, out, accumulate, &c);
+      e.failure())
+    return e;
+  gemm::CutlassGrouped p{static_cast<const uint8_t*>(a.untyped_data()), static_cast<const uint8_t*>(b.untyped_data()),
+                         static_cast<const float*>(sa.untyped_data()), static_cast<const float*>(sb.untyped_data()),
+                         static_cast<const int32_t*>(gs.untyped_data()), c.d, t, c.n, c.k, groups,
+                         c.type_a == lt::kR8F_E5M2, c.type_b == lt::kR8F_E5M2, c.out_type == lt::kR32F,
+                         c.accumulate, fast_accum != 0, workspace->untyped_data(),
+                         int64_t(workspace->size_bytes())};
+  if (std::string e = gemm::cutlass_grouped_gemm(p, stream); !e.empty())
+    return invalid("grouped FP8 (CUTLASS), A " + dims(a) + " x B " + dims(b) + ": " + e);
+  if (c.accumulate) return ffi::Error::Success();
+  std::string e = groups > 0 ? gemm::zero_past_groups(c.d, p.group_sizes, groups, t, c.n, p.out_f32, stream)
+                  : t * c.n > 0 && cudaMemsetAsync(c.d, 0, size_t(t * c.n) * (p.out_f32 ? 4 : 2), stream) != cudaSuccess
+                      ? "zeroing the output failed" : "";
+  return e.empty() ? ffi::Error::Success() : internal(e);
+}
+#endif
+
 // The CUDA handlers' binding prefixes: the stream (dense: temporaries in the workspace result), then XLA's
 // scratch allocator (grouped).
 auto stream_bind() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
@@ -1064,6 +1099,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_mxfp8_grouped, jaxhq::gemm_mxfp8_g
                                   .Attr<int64_t>("k")
                                   .Attr<int32_t>("accumulate"));
 
+#ifdef JAXHQ_WITH_CUTLASS
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_fp8_cutlass_grouped, jaxhq::gemm_fp8_cutlass_grouped,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // a [T, K] E4M3 / E5M2
+                                  .Arg<ffi::AnyBuffer>()  // scale_inv a [] fp32
+                                  .Arg<ffi::AnyBuffer>()  // b [G, N, K] E4M3
+                                  .Arg<ffi::AnyBuffer>()  // scale_inv b [G] fp32
+                                  .Arg<ffi::AnyBuffer>()  // group_sizes [G] int32 (read on the device)
+                                  .Arg<ffi::AnyBuffer>()  // c (aliased to out when accumulating)
+                                  .Ret<ffi::AnyBuffer>()  // out [T, N]
+                                  .Ret<ffi::AnyBuffer>()  // workspace (uint8 [cutlass_grouped_workspace_bytes])
+                                  .Attr<int32_t>("accumulate")
+                                  .Attr<int32_t>("fast_accum"),
+                              {ffi::Traits::kCmdBufferCompatible});
+#endif
+
 namespace jaxhq {
 const GemmHandler* gemm_cuda_handlers() {
   static const GemmHandler table[] = {
@@ -1075,6 +1127,9 @@ const GemmHandler* gemm_cuda_handlers() {
       {"jaxhq_gemm_mxfp8_grouped", reinterpret_cast<void*>(jaxhq_cuda_gemm_mxfp8_grouped)},
       {"jaxhq_gemm_fp8_wgmma_grouped", reinterpret_cast<void*>(jaxhq_cuda_gemm_fp8_wgmma_grouped)},
       {"jaxhq_gemm_nvfp4", reinterpret_cast<void*>(jaxhq_cuda_gemm_nvfp4)},
+#ifdef JAXHQ_WITH_CUTLASS
+      {"jaxhq_gemm_fp8_cutlass_grouped", reinterpret_cast<void*>(jaxhq_cuda_gemm_fp8_cutlass_grouped)},
+#endif
       {nullptr, nullptr},
   };
   return table;
