@@ -4,11 +4,10 @@ jax.nn.scaled_matmul (MXFP8, NVFP4), at 8192^3 and the LLM shapes M=16384, (K, N
 jaxhq_mxfp8 is the FP8-wgmma kernel on a Hopper, jaxhq_mxfp8_dq the dequantize + bf16 path; jaxhq_nvfp4 is the
 dequantize + bf16 path, jaxhq_nvfp4_wgmma (Hopper) the codes decoded on chip into fp16 wgmma; the grouped rows
 split M into 8 experts, their weights stacked once outside the timing (ref = the dense kernel of the same
-path; FP8 grouped: the default kernel with the group sizes read on the device (per-tensor: CUTLASS's where
-built, `_wgmma` the hand-written one; blockwise: the wgmma one), `_fastacc` the default one with fast
-accumulation (ref = the dense cuBLASLt kernel with it), `_lt` cuBLASLt per group with the sizes read on the
-host, `_unpaired` the wgmma kernel without its two-CTA clusters, JAXHQ_WGMMA_CLUSTER=1; ref = the dense
-cuBLASLt kernel). Every variant of a shape is compiled first, then all are
+path; FP8 grouped: the default kernel with the group sizes read on the device, CUTLASS's where built; `_wgmma`
+the hand-written one, `_unpaired` that one without its two-CTA clusters (JAXHQ_WGMMA_CLUSTER=1), `_lt` cuBLASLt
+per group with the sizes read on the host; ref = the dense cuBLASLt kernel; `_fastacc` the per-tensor default
+with fast accumulation, ref = the dense cuBLASLt kernel with it). Every variant of a shape is compiled first, then all are
 timed in turn for --rounds rounds (median per variant), so clock drift during the run does not favour the first
 rows. jaxhq_fp8_block is 1x128 x 128x128 (forward, dgrad), jaxhq_fp8_block_1d1d 1x128 x 1x128 (wgrad).
 Each shape's rows are printed as soon as that shape finishes; the JSON is rewritten after every shape.
@@ -69,10 +68,10 @@ def variants(m, k, n, key, xla_scaled=False):
         sizes = jnp.full((GROUPS,), m // GROUPS, jnp.int32)
         for fmt, qa_, label in ((Float8CurrentScaling("e4m3"), qa, "tensor"), (Float8Block((128, 128)), ba, "block")):
             wq = G.stack_storages([_quantizer(fmt)(jnp.roll(w, i, axis=0)) for i in range(GROUPS)])
-            paths = [("", "auto", False, {}), ("_unpaired", "wgmma", False, {"JAXHQ_WGMMA_CLUSTER": "1"}),
-                     ("_lt", "cublaslt", False, {})]
-            if label == "tensor":  # "auto" is CUTLASS's kernel where built; the wgmma one and fast accumulation
-                paths += [("_wgmma", "wgmma", False, {}), ("_fastacc", "auto", True, {})]
+            paths = [("", "auto", False, {}), ("_wgmma", "wgmma", False, {}),
+                     ("_unpaired", "wgmma", False, {"JAXHQ_WGMMA_CLUSTER": "1"}), ("_lt", "cublaslt", False, {})]
+            if label == "tensor":  # "auto" is CUTLASS's kernel where built
+                paths.append(("_fastacc", "auto", True, {}))
             for suffix, kern, fast, env in paths:
                 v[f"jaxhq_fp8_{label}_grouped{GROUPS}{suffix}"] = (
                     jax.jit(lambda a, bs, gs, kern=kern, fast=fast: G.grouped_gemm(a, bs, gs, jnp.bfloat16,

@@ -99,9 +99,10 @@ def test_wgmma_kernels_keep_codes(monkeypatch):
 
 
 def test_cutlass_grouped_choice(monkeypatch):
-    """Which grouped per-tensor FP8 calls take CUTLASS's kernel: "auto" where it is built and applies (per-tensor
-    scales, E4M3 weights, bf16 out, no bias, K % 16, N % 8) and CUTLASS_GROUPED_WINS says it wins, "cutlass" or an
-    error naming why not, "wgmma" and "cublaslt" never. Faked here: a Hopper with the CUTLASS target registered."""
+    """Which grouped FP8 calls take CUTLASS's kernels: "auto" where they are built and apply (per-tensor scales, or
+    1x128 A and 128x128 B scales without fast accumulation; E4M3 weights, bf16 out, no bias, K % 16, N % 8) and
+    CUTLASS_GROUPED_WINS says they win, "cutlass" or an error naming why not, "wgmma" and "cublaslt" never. Faked
+    here: a Hopper with the CUTLASS target registered."""
     from jaxhq.formats import Float8Block, Float8CurrentScaling
     rng = np.random.default_rng(0)
     q = lambda shape, fmt="e4m3": quantize(jnp.asarray(rng.standard_normal(shape), jnp.float32),  # noqa: E731
@@ -122,12 +123,17 @@ def test_cutlass_grouped_choice(monkeypatch):
              ((a, q((32, 128), "e5m2"), 32, 128, 4, jnp.bfloat16, None), "E5M2 weights"),
              ((a, b, 36, 128, 4, jnp.bfloat16, None), "N = 36"),
              ((a, b, 32, 128, 2000, jnp.bfloat16, None), "2000 groups")]
-    blk = quantize(jnp.ones((64, 128), jnp.float32), Float8Block((1, 128)), "rowwise").rowwise
-    unfit.append(((blk, b, 32, 128, 4, jnp.bfloat16, None), "blockwise"))
+    blk = lambda block, rows: quantize(jnp.ones((rows, 128), jnp.float32), Float8Block(block),  # noqa: E731
+                                       "rowwise").rowwise
+    assert choose(blk((1, 128), 64), blk((128, 128), 32), 32, 128, 4, jnp.bfloat16, None)
+    unfit.append(((blk((1, 128), 64), blk((1, 128), 32), 32, 128, 4, jnp.bfloat16, None), "1x128 weight scales"))
     for args, why in unfit:
         assert not choose(*args), why
         with pytest.raises(G.GemmUnsupported, match=why):
             choose(*args, kernel="cutlass")
+    fast = lambda *args: G._fp8_grouped_cutlass(*args, "auto", "t", fast_accum=True)  # noqa: E731
+    assert fast(a, b, 32, 128, 4, jnp.bfloat16, None)
+    assert not fast(blk((1, 128), 64), blk((128, 128), 32), 32, 128, 4, jnp.bfloat16, None)
     monkeypatch.setattr(G, "CUTLASS_GROUPED_WINS", False)
     assert not choose(a, b, 32, 128, 4, jnp.bfloat16, None)
     assert choose(a, b, 32, 128, 4, jnp.bfloat16, None, kernel="cutlass")

@@ -598,24 +598,32 @@ def test_wgmma_grouped_unpaired(recipe, monkeypatch):
     _wgmma_grouped_case(recipe, [5, 0, 700, 200], True)
 
 
+CUTLASS_CASES = {  # A quantizer, B quantizer, fast accumulation
+    "e4m3": (Float8CurrentScaling("e4m3"), Float8CurrentScaling("e4m3"), False),
+    "e4m3-fast": (Float8CurrentScaling("e4m3"), Float8CurrentScaling("e4m3"), True),
+    "e5m2": (Float8CurrentScaling("e5m2"), Float8CurrentScaling("e4m3"), False),
+    "e5m2-fast": (Float8CurrentScaling("e5m2"), Float8CurrentScaling("e4m3"), True),
+    "block": (Float8Block((1, 128)), Float8Block((128, 128)), False),  # N = 1064: a partial 128-row block
+}
+
+
 @pytest.mark.parametrize("sizes", GROUPED_SIZES, ids=GROUPED_IDS)
 @pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "accumulate"])
-@pytest.mark.parametrize("fast_accum", [False, True], ids=["promoted", "fast"])
-@pytest.mark.parametrize("a_fmt", ["e4m3", "e5m2"])
-def test_cutlass_grouped(a_fmt, fast_accum, accumulate, sizes):
-    """Per-tensor FP8 grouped on CUTLASS's kernel (its problems built on the device from the group sizes), bf16
-    out: ragged, tile-edge, empty and clamped groups as in test_wgmma_grouped, K = 528 (a partial last 128-wide
-    K tile), N = 1064 (a partial last tile column), E4M3 or E5M2 A, promoted or fast accumulation; "auto"
-    takes this kernel for such a call and the wgmma kernel once a bias is given."""
+@pytest.mark.parametrize("case", sorted(CUTLASS_CASES))
+def test_cutlass_grouped(case, accumulate, sizes):
+    """Per-tensor and blockwise FP8 grouped on CUTLASS's kernels (their problems built on the device from the
+    group sizes), bf16 out: ragged, tile-edge, empty and clamped groups as in test_wgmma_grouped, K = 528 (a
+    partial last 128-wide K tile), N = 1064 (a partial last tile column), E4M3 or E5M2 A, promoted or fast
+    accumulation; "auto" takes these kernels for such a call and the wgmma kernel once a bias is given."""
     _hopper_only()
     if G.FP8_CUTLASS_GROUPED not in G._cuda_targets():
         pytest.skip("the extension was built without CUTLASS (pip install nvidia-cutlass before building)")
+    qa, qb, fast_accum = CUTLASS_CASES[case]
     rng, seed = _rng()
     t, k, n = 1000, 528, 1064
-    a = quantize(jnp.asarray(rng.standard_normal((t, k)) * rng.uniform(0.5, 4), jnp.float32),
-                 Float8CurrentScaling(a_fmt), "rowwise").rowwise
+    a = quantize(jnp.asarray(rng.standard_normal((t, k)) * rng.uniform(0.5, 4), jnp.float32), qa, "rowwise").rowwise
     bs = G.stack_storages([quantize(jnp.asarray(rng.standard_normal((n, k)) * rng.uniform(0.01, 0.1), jnp.float32),
-                                    Float8CurrentScaling("e4m3"), "rowwise").rowwise for _ in sizes])
+                                    qb, "rowwise").rowwise for _ in sizes])
     gs = jnp.asarray(sizes, jnp.int32)
     c = jnp.asarray(rng.standard_normal((t, n)), jnp.bfloat16) if accumulate else None
     fn = jax.jit(lambda a, bs, gs, c: G.grouped_gemm(a, bs, gs, jnp.bfloat16, accumulate=c, fast_accum=fast_accum,
@@ -634,8 +642,7 @@ def test_cutlass_grouped(a_fmt, fast_accum, accumulate, sizes):
         assert (out[start:] == 0).all(), "rows past the groups must be zero"
         if start == 0:
             return
-    _check(out, ref, jnp.bfloat16, f"cutlass grouped {a_fmt} fast={fast_accum} {sizes} accumulate={accumulate} "
-                                   f"seed={seed}")
+    _check(out, ref, jnp.bfloat16, f"cutlass grouped {case} {sizes} accumulate={accumulate} seed={seed}")
 
 
 def _wgmma_grouped_case(recipe, sizes, accumulate):

@@ -260,17 +260,20 @@ def _fp8_grouped_wgmma(n: int, k: int, groups: int, kernel: str, name: str) -> b
     return True if settled is None else settled
 
 
-# Whether "auto" takes CUTLASS's grouped kernel for per-tensor FP8 where it applies (the handwritten wgmma kernel
-# otherwise): see docs/gemm.md for the measurements.
+# Whether "auto" takes CUTLASS's grouped kernels for per-tensor and blockwise FP8 where they apply (the
+# hand-written wgmma kernel otherwise): see docs/gemm.md for the measurements.
 CUTLASS_GROUPED_WINS = True
 
 
-def _cutlass_grouped_unfit(a, b0, n: int, k: int, groups: int, out_dtype, bias) -> str:
-    """Why CUTLASS's grouped per-tensor FP8 kernel (fp8_cutlass_grouped.h) cannot take this call ("" when it
-    can): built only with CUTLASS's headers; per-tensor scales, E4M3 weights, bf16 out, no bias, K % 16, N % 8."""
+def _cutlass_grouped_unfit(a, b0, n: int, k: int, groups: int, out_dtype, bias, fast_accum: bool = False) -> str:
+    """Why CUTLASS's grouped FP8 kernels (fp8_cutlass_grouped.h) cannot take this call ("" when they can): built
+    only with CUTLASS's headers; per-tensor scales, or 1x128 A and 128x128 B scales (no fast accumulation), E4M3
+    weights, bf16 out, no bias, K % 16, N % 8."""
+    modes = (_fp8_mode(a, ""), _fp8_mode(b0, ""))
     return ("the extension was built without CUTLASS" if FP8_CUTLASS_GROUPED not in _cuda_targets()
             else "the GPU is not a Hopper (sm_90a)" if not _hopper()
-            else "blockwise scales" if _fp8_mode(a, "") != MODE_TENSOR
+            else "1x128 weight scales" if modes == (MODE_VEC128, MODE_VEC128)
+            else "fast accumulation with blockwise scales" if fast_accum and modes != (MODE_TENSOR, MODE_TENSOR)
             else "E5M2 weights" if b0.data.dtype != jnp.float8_e4m3fn
             else f"{jnp.dtype(out_dtype).name} output (bf16 only)" if jnp.dtype(out_dtype) != jnp.bfloat16
             else "a bias" if bias is not None
@@ -283,12 +286,12 @@ def _cuda_targets() -> list:
     return registered_targets().get("cuda", []) if jax.default_backend() in ("gpu", "cuda") else []
 
 
-def _fp8_grouped_cutlass(a, b0, n, k, groups, out_dtype, bias, kernel: str, name: str) -> bool:
+def _fp8_grouped_cutlass(a, b0, n, k, groups, out_dtype, bias, kernel: str, name: str, fast_accum=False) -> bool:
     """Whether a grouped FP8 GEMM runs on CUTLASS's kernel: "cutlass" requires it, "auto" takes it where it
     applies and wins (CUTLASS_GROUPED_WINS), the other choices never."""
     if kernel not in ("auto", "cutlass"):
         return False
-    why = _cutlass_grouped_unfit(a, b0, n, k, groups, out_dtype, bias)
+    why = _cutlass_grouped_unfit(a, b0, n, k, groups, out_dtype, bias, fast_accum)
     if kernel == "cutlass" and why:
         raise GemmUnsupported(f"{name}: the CUTLASS kernel does not apply: {why}")
     return not why and (kernel == "cutlass" or CUTLASS_GROUPED_WINS)
@@ -389,15 +392,15 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
             raise GemmUnsupported(f"{name}: the GEMM kernels are not built")
         operands = (a.data, jnp.asarray(a.scale_inv, jnp.float32), stacked.data,
                     jnp.asarray(stacked.scale_inv, jnp.float32), sizes, bias_, c)
-        if _fp8_grouped_cutlass(a, b0, n, k, g, out_dtype, bias, kernel, name):
-            e5m2 = a.data.dtype == jnp.float8_e5m2
+        if _fp8_grouped_cutlass(a, b0, n, k, g, out_dtype, bias, kernel, name, fast_accum):
             from . import load
-            ws = int(load().cutlass_grouped_workspace_bytes(g, e5m2, bool(fast_accum)))
+            ws = int(load().cutlass_grouped_workspace_bytes(g, t, n, k, a.data.dtype == jnp.float8_e5m2,
+                                                            bool(fast_accum), ma != MODE_TENSOR))
             call = jax.ffi.ffi_call(FP8_CUTLASS_GROUPED, (jax.ShapeDtypeStruct((t, n), out_dtype),
                                                           jax.ShapeDtypeStruct((ws,), jnp.uint8)),
                                     input_output_aliases={5: 0} if aliases else {}, vmap_method="sequential")
-            return call(*operands[:5], c, accumulate=np.int32(accumulate is not None),
-                        fast_accum=np.int32(fast_accum))[0]
+            return call(*operands[:5], c, mode_a=np.int32(ma), mode_b=np.int32(mb),
+                        accumulate=np.int32(accumulate is not None), fast_accum=np.int32(fast_accum))[0]
         if _fp8_grouped_wgmma(n, k, g, kernel, name):
             call = jax.ffi.ffi_call(FP8_WGMMA_GROUPED, jax.ShapeDtypeStruct((t, n), out_dtype),
                                     input_output_aliases=aliases, vmap_method="sequential")

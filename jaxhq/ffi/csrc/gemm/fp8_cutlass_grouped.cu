@@ -10,6 +10,7 @@
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
@@ -24,44 +25,48 @@ using namespace cute;
 using Shape3 = Shape<int, int, int>;
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape3>;
 
-// A kernel's tile configuration: its tile (M x N, 128-wide K steps), cluster and schedule (cooperative: two
-// consumer warpgroups split the tile's rows).
-template <int M, int N, int CM, int CN, bool kFast>
+// A kernel's configuration: its tile (M x N, 128-wide K steps), cluster and schedule (cooperative: two consumer
+// warpgroups split the tile's rows).
+template <int M, int N, int CM, int CN, typename S>
 struct Cfg {
   using TileShape = Shape<Int<M>, Int<N>, _128>;
   using ClusterShape = Shape<Int<CM>, Int<CN>, _1>;
-  using Schedule = cute::conditional_t<kFast, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum,
-                                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+  using Schedule = S;
 };
 
-// The two accumulations, chosen by measurement (docs/gemm.md, H100): promoted, the FP8 mainloop adds the tensor
-// core's partial sums into FP32 registers every 128-wide K step, so a warpgroup holds 64 x 128 accumulators and
-// as many partial sums: 128 x 128 tiles, clusters of two CTAs along N sharing A's tile (TMA multicast); fast, no
-// promotion: 128 x 256 tiles, clusters of two along M sharing B's tile.
-using Promoted = Cfg<128, 128, 1, 2, false>;
-using Fast = Cfg<128, 256, 2, 1, true>;
+// Chosen by measurement (docs/gemm.md, H100). Promoted: the FP8 mainloop adds the tensor core's partial sums
+// into FP32 registers every 128-wide K step, so a warpgroup holds 64 x 128 accumulators and as many partial sums:
+// 128 x 128 tiles, clusters of two CTAs along N sharing A's tile (TMA multicast). Fast: no promotion, 128 x 256
+// tiles, clusters of two along M sharing B's tile. Blockwise: 1x128 A and 128x128 B scales applied at each
+// promotion, 128 x 128 tiles as promoted.
+using Promoted = Cfg<128, 128, 1, 2, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+using Fast = Cfg<128, 256, 2, 1, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum>;
+using Blockwise = Cfg<128, 128, 1, 2, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
 
 template <typename TA, typename TB, typename TOut, typename C>
 struct Kernel {
-  using TileShape = typename C::TileShape;
-  using ClusterShape = typename C::ClusterShape;
-  using Schedule = typename C::Schedule;
-  using EpilogueSchedule = typename C::EpilogueSchedule;
+  static constexpr bool kBlockwise = cute::is_same_v<C, Blockwise>;
   using LayoutA = cutlass::layout::RowMajor;     // A [T, K]
   using LayoutB = cutlass::layout::ColumnMajor;  // B [N, K] read as K x N
   using LayoutD = cutlass::layout::RowMajor;     // out [T, N]
+  // blockwise scales, M- (N-) major: A's [ceil(K/128)][rows], B's [ceil(K/128)][ceil(N/128)] per group
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+  using OperandA = cute::conditional_t<kBlockwise, cute::tuple<LayoutA*, LayoutSFA*>, LayoutA*>;
+  using OperandB = cute::conditional_t<kBlockwise, cute::tuple<LayoutB*, LayoutSFB*>, LayoutB*>;
   static constexpr int kAlignAB = 16, kAlignD = 16 / sizeof(TOut);
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename C::TileShape, typename C::ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, TOut, LayoutD*, kAlignD, TOut, LayoutD*, kAlignD,
-      EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<TOut, float, TOut, float>>::CollectiveOp;
+      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<TOut, float, TOut, float>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TA, LayoutA*, kAlignAB, TB, LayoutB*, kAlignAB, float,
-      TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TA, OperandA, kAlignAB, TB, OperandB, kAlignAB, float,
+      typename C::TileShape, typename C::ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      Schedule>::CollectiveOp;
+      typename C::Schedule>::CollectiveOp;
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
   using StrideA = typename GemmKernel::InternalStrideA;
@@ -72,7 +77,10 @@ struct Kernel {
                 "the prologue writes row strides (K, 1, 0) / (N, 1, 0)");
 };
 
-// The per-group tables the prologue writes, carved out of the workspace's front (each 256-byte aligned).
+__host__ __device__ inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The per-group tables the prologue writes, and the blockwise scales re-laid-out M-major, carved out of the
+// workspace's front (each piece 256-byte aligned); CUTLASS's own workspace follows.
 template <typename K>
 struct Tables {
   Shape3* shapes;
@@ -83,29 +91,72 @@ struct Tables {
   typename K::StrideB* sb;
   typename K::StrideD* sd;
   float* alpha;
+  const float** sfa;  // blockwise: group g's A scales (into scales_a); layout_sfa / _sfb as the kernel derives them
+  const float** sfb;
+  typename K::LayoutSFA* layout_sfa;
+  typename K::LayoutSFB* layout_sfb;
+  float* scales_a;  // blockwise: per group [ceil(k/128)][its rows], at ceil(k/128) * its first row
+  float* scales_b;  // blockwise: [groups][ceil(k/128)][ceil(n/128)]
   size_t bytes;
 
-  Tables(void* base, int64_t groups) {
+  Tables(void* base, int64_t groups, int64_t t, int64_t n, int64_t k) {
     char* p = static_cast<char*>(base);
     size_t at = 0;
-    auto take = [&](auto*& field, size_t each) {
+    auto take = [&](auto*& field, size_t each, int64_t count) {
       field = reinterpret_cast<std::remove_reference_t<decltype(field)>>(p ? p + at : nullptr);
-      at += (each * size_t(groups) + 255) / 256 * 256;
+      at += (each * size_t(count) + 255) / 256 * 256;
     };
-    take(shapes, sizeof(Shape3));
-    take(a, sizeof(void*));
-    take(b, sizeof(void*));
-    take(d, sizeof(void*));
-    take(sa, sizeof(typename K::StrideA));
-    take(sb, sizeof(typename K::StrideB));
-    take(sd, sizeof(typename K::StrideD));
-    take(alpha, sizeof(float));
+    take(shapes, sizeof(Shape3), groups);
+    take(a, sizeof(void*), groups);
+    take(b, sizeof(void*), groups);
+    take(d, sizeof(void*), groups);
+    take(sa, sizeof(typename K::StrideA), groups);
+    take(sb, sizeof(typename K::StrideB), groups);
+    take(sd, sizeof(typename K::StrideD), groups);
+    take(alpha, sizeof(float), groups);
+    const int64_t blk = K::kBlockwise ? 1 : 0, kb = cdiv(k, 128);
+    take(sfa, sizeof(void*), blk * groups);
+    take(sfb, sizeof(void*), blk * groups);
+    take(layout_sfa, sizeof(typename K::LayoutSFA), blk * groups);
+    take(layout_sfb, sizeof(typename K::LayoutSFB), blk * groups);
+    take(scales_a, sizeof(float), blk * kb * t);
+    take(scales_b, sizeof(float), blk * groups * kb * cdiv(n, 128));
     bytes = at;
   }
 };
 
 __device__ __forceinline__ int64_t clamp_rows(int32_t size, int64_t left) {
   return size < 0 ? 0 : (int64_t(size) < left ? int64_t(size) : left);
+}
+
+// The first row of group g and its clamped size (one thread's loop over the sizes before it).
+__device__ __forceinline__ void group_rows(const int32_t* __restrict__ gs, int g, int64_t t, int64_t* start, int* m) {
+  int64_t at = 0;
+  for (int i = 0; i < g; ++i) at += clamp_rows(gs[i], t - at);
+  *start = at;
+  *m = int(clamp_rows(gs[g], t - at));
+}
+
+// Blockwise scales from the quantizers' K-major layouts (A [t][kb], B [groups][nb][kb]) to the M-major ones
+// CUTLASS's grouped kernel reads (it derives each group's scale layout from the group's problem shape): A's
+// scales of group g compact at kb * start, [kb][m]; B's [groups][kb][nb]. Block row y < groups re-lays group y of
+// A, the last one B; the writes are coalesced.
+__global__ void scales_mn_major_kernel(const float* __restrict__ sa, const int32_t* __restrict__ gs, int groups,
+                                       int64_t t, int64_t kb, const float* __restrict__ sb, int64_t nb, float* out_a,
+                                       float* out_b) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x, first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (int(blockIdx.y) == groups) {
+    for (int64_t j = first; j < groups * kb * nb; j += stride) {
+      const int64_t g = j / (kb * nb), r = j % (kb * nb);
+      out_b[j] = sb[(g * nb + r % nb) * kb + r / nb];
+    }
+    return;
+  }
+  __shared__ int64_t start;
+  __shared__ int m;
+  if (threadIdx.x == 0) group_rows(gs, int(blockIdx.y), t, &start, &m);
+  __syncthreads();
+  for (int64_t i = first; i < kb * m; i += stride) out_a[kb * start + i] = sa[(start + i % m) * kb + i / m];
 }
 
 // One block, one thread per group: group g's rows start where the clamped sizes before it end.
@@ -115,9 +166,9 @@ __global__ void prologue_kernel(Tables<K> tab, const int32_t* __restrict__ gs, i
                                 const float* __restrict__ sb) {
   using TOut = typename K::Gemm::ElementD;
   for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-    int64_t start = 0;
-    for (int i = 0; i < g; ++i) start += clamp_rows(gs[i], t - start);
-    const int m = int(clamp_rows(gs[g], t - start));
+    int64_t start;
+    int m;
+    group_rows(gs, g, t, &start, &m);
     tab.shapes[g] = Shape3{m, n, k};
     tab.a[g] = reinterpret_cast<const typename K::Gemm::ElementA*>(a + start * k);
     tab.b[g] = reinterpret_cast<const typename K::Gemm::ElementB*>(b + int64_t(g) * n * k);
@@ -128,7 +179,15 @@ __global__ void prologue_kernel(Tables<K> tab, const int32_t* __restrict__ gs, i
     typename K::StrideD std_{};
     get<0>(sta) = k, get<0>(stb) = k, get<0>(std_) = n;
     tab.sa[g] = sta, tab.sb[g] = stb, tab.sd[g] = std_;
-    tab.alpha[g] = sa[0] * sb[g];
+    if constexpr (K::kBlockwise) {  // the group's scales, where scales_mn_major_kernel wrote them
+      const int64_t kb = cdiv(k, 128);
+      tab.sfa[g] = tab.scales_a + kb * start;
+      tab.sfb[g] = tab.scales_b + int64_t(g) * kb * cdiv(n, 128);
+      tab.layout_sfa[g] = K::ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, n, k, 1));
+      tab.layout_sfb[g] = K::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, 1));
+    } else {
+      tab.alpha[g] = sa[0] * sb[g];
+    }
   }
 }
 
@@ -147,32 +206,44 @@ typename K::Gemm::Arguments arguments(const Tables<K>& tab, int64_t groups, bool
   cutlass::KernelHardwareInfo hw;
   cudaGetDevice(&hw.device_id);
   hw.sm_count = sm_count();
-  typename K::Gemm::Arguments args{
-      cutlass::gemm::GemmUniversalMode::kGrouped,
-      {int(groups), tab.shapes, nullptr},  // the problem shapes live on the device only
-      {tab.a, tab.sa, tab.b, tab.sb},
-      {{}, const_cast<const typename K::Gemm::ElementD**>(tab.d), tab.sd, tab.d, tab.sd},
-      hw};
+  typename K::Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {int(groups), tab.shapes, nullptr};  // the problem shapes live on the device only
+  if constexpr (K::kBlockwise)
+    args.mainloop = {tab.a, tab.sa, tab.b, tab.sb, tab.sfa, tab.layout_sfa, tab.sfb, tab.layout_sfb};
+  else
+    args.mainloop = {tab.a, tab.sa, tab.b, tab.sb};
+  args.epilogue = {{}, const_cast<const typename K::Gemm::ElementD**>(tab.d), tab.sd, tab.d, tab.sd};
+  args.hw_info = hw;
   auto& f = args.epilogue.thread;
-  f.alpha_ptr = tab.alpha;  // one alpha per group: alpha_ptr[g]
-  f.dAlpha = {_0{}, _0{}, 1};
+  if constexpr (!K::kBlockwise) {
+    f.alpha_ptr = tab.alpha;  // one alpha per group: alpha_ptr[g]
+    f.dAlpha = {_0{}, _0{}, 1};
+  }
   f.beta = accumulate ? 1.f : 0.f;  // out += result reads C = out in place
   return args;
 }
 
 template <typename K>
-size_t workspace_bytes_of(int64_t groups) {
-  Tables<K> tab(nullptr, groups);
-  return tab.bytes + K::Gemm::get_workspace_size(arguments<K>(tab, groups, false));
+size_t workspace_bytes_of(const CutlassGrouped& p) {
+  Tables<K> tab(nullptr, p.groups, p.t, p.n, p.k);
+  return tab.bytes + K::Gemm::get_workspace_size(arguments<K>(tab, p.groups, false));
 }
 
 template <typename K>
 std::string run(const CutlassGrouped& p, cudaStream_t s) {
-  Tables<K> tab(p.workspace, p.groups);
+  Tables<K> tab(p.workspace, p.groups, p.t, p.n, p.k);
   auto args = arguments<K>(tab, p.groups, p.accumulate);
   const size_t need = tab.bytes + K::Gemm::get_workspace_size(args);
   if (size_t(p.workspace_bytes) < need)
     return "workspace of " + std::to_string(p.workspace_bytes) + " bytes, needs " + std::to_string(need);
+  if constexpr (K::kBlockwise) {
+    const int64_t kb = cdiv(p.k, 128), nb = cdiv(p.n, 128);
+    const dim3 grid(unsigned(std::min<int64_t>(cdiv(kb * std::max(p.t / p.groups, p.groups * nb), 256), 256)),
+                    unsigned(p.groups + 1));
+    scales_mn_major_kernel<<<grid, 256, 0, s>>>(p.scale_a, p.group_sizes, int(p.groups), p.t, kb, p.scale_b, nb,
+                                                tab.scales_a, tab.scales_b);
+  }
   prologue_kernel<K><<<1, int(std::min<int64_t>(p.groups, 1024)), 0, s>>>(
       tab, p.group_sizes, int(p.groups), p.t, int(p.n), int(p.k), p.a, p.b, p.out, p.scale_a, p.scale_b);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return std::string("prologue: ") + cudaGetErrorString(e);
@@ -186,7 +257,8 @@ std::string run(const CutlassGrouped& p, cudaStream_t s) {
   return "";
 }
 
-// The instantiations: E4M3 x E4M3 (forward) and E5M2 x E4M3 (dgrad of an E5M2 gradient), bf16 out.
+// The instantiations, bf16 out: per-tensor (promoted or fast accumulation) E4M3 x E4M3 (forward) and E5M2 x E4M3
+// (dgrad of an E5M2 gradient); blockwise (1x128 A, 128x128 B) E4M3 x E4M3.
 template <typename F>
 std::string dispatch(const CutlassGrouped& p, F&& f) {
   using e4 = cutlass::float_e4m3_t;
@@ -194,6 +266,11 @@ std::string dispatch(const CutlassGrouped& p, F&& f) {
   using bf = cutlass::bfloat16_t;
   if (p.b_e5m2) return "B in E5M2 has no grouped CUTLASS kernel";
   if (p.out_f32) return "fp32 output has no grouped CUTLASS kernel";
+  if (p.blockwise) {
+    if (p.fast_accum) return "blockwise scaling has no fast accumulation";
+    if (p.a_e5m2) return "blockwise E5M2 A has no grouped CUTLASS kernel";  // the blockwise quantizer is E4M3
+    return f(Kernel<e4, e4, bf, Blockwise>{});
+  }
   if (p.fast_accum) return p.a_e5m2 ? f(Kernel<e5, e4, bf, Fast>{}) : f(Kernel<e4, e4, bf, Fast>{});
   return p.a_e5m2 ? f(Kernel<e5, e4, bf, Promoted>{}) : f(Kernel<e4, e4, bf, Promoted>{});
 }
@@ -211,7 +288,7 @@ std::string cutlass_grouped_unsupported(const CutlassGrouped& p) {
 int64_t cutlass_grouped_workspace_bytes(const CutlassGrouped& p) {
   int64_t bytes = 0;
   dispatch(p, [&](auto kernel) {
-    bytes = int64_t(workspace_bytes_of<decltype(kernel)>(std::max<int64_t>(p.groups, 1)));
+    bytes = int64_t(workspace_bytes_of<decltype(kernel)>(p));
     return std::string();
   });
   return bytes;

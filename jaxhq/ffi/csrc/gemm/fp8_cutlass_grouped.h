@@ -1,6 +1,7 @@
-// Grouped (MoE) per-tensor FP8 GEMM on CUTLASS's sm90 pointer-array kernel (built when the CUTLASS headers are
-// found; JAXHQ_WITH_CUTLASS): out[t] = sa * sb[g] * A[t] @ B[g]^T for the rows t of group g, A [T, K] sorted by
-// group, B [G, N, K], the group sizes [G] int32 read on the device (clamped to A's rows like the host path).
+// Grouped (MoE) FP8 GEMM on CUTLASS's sm90 pointer-array kernels (built when the CUTLASS headers are found;
+// JAXHQ_WITH_CUTLASS): out[t] = A[t] @ B[g]^T for the rows t of group g, scaled per tensor (sa * sb[g]) or per
+// block (A 1x128, B 128x128), A [T, K] sorted by group, B [G, N, K], the group sizes [G] int32 read on the device
+// (clamped to A's rows like the host path).
 // Rows past the groups are not written (the caller zeroes them). Returns "" or why it cannot run.
 #pragma once
 #include <cstdint>
@@ -14,18 +15,18 @@ namespace gemm {
 struct CutlassGrouped {
   const uint8_t* a;            // [t, k] E4M3 or E5M2
   const uint8_t* b;            // [groups, n, k] E4M3
-  const float* scale_a;        // [1]
-  const float* scale_b;        // [groups]
+  const float* scale_a;        // per-tensor: [1]; blockwise: [t, ceil(k / 128)]
+  const float* scale_b;        // per-tensor: [groups]; blockwise: [groups, ceil(n / 128), ceil(k / 128)]
   const int32_t* group_sizes;  // [groups], on the device
   void* out;                   // [t, n] bf16
   int64_t t, n, k, groups;
-  bool a_e5m2, b_e5m2, out_f32, accumulate, fast_accum;
+  bool a_e5m2, b_e5m2, out_f32, accumulate, fast_accum, blockwise;
   void* workspace;  // cutlass_grouped_workspace_bytes of device memory
   int64_t workspace_bytes;
 };
 
 std::string cutlass_grouped_unsupported(const CutlassGrouped& p);
-int64_t cutlass_grouped_workspace_bytes(const CutlassGrouped& p);  // for p's kernel, groups and this device
+int64_t cutlass_grouped_workspace_bytes(const CutlassGrouped& p);  // for p's kernel and sizes, on this device
 std::string cutlass_grouped_gemm(const CutlassGrouped& p, cudaStream_t s);
 
 }  // namespace gemm

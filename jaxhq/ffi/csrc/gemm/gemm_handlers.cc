@@ -8,7 +8,7 @@
 //   jaxhq_gemm_nvfp4: NVFP4 on Hopper fp16 tensor cores (nvfp4_wgmma.cu), the codes decoded in shared memory.
 //   jaxhq_gemm_fp8_wgmma_grouped: per-tensor / blockwise FP8 grouped on the same kernel (Hopper), the group
 //                   sizes read on the device; jaxhq_gemm_fp8_grouped is its cuBLASLt form (host sizes).
-//   jaxhq_gemm_fp8_cutlass_grouped: per-tensor FP8 grouped on CUTLASS's sm90 pointer-array kernel (built with
+//   jaxhq_gemm_fp8_cutlass_grouped: per-tensor / blockwise FP8 grouped on CUTLASS's sm90 pointer-array kernels (built with
 //                   the CUTLASS headers), the group sizes read on the device, its tables in a workspace result.
 // Optional bias [N] and accumulate-into (out aliases the `c` input). The dense handlers take their cuBLASLt
 // workspace and temporaries from a workspace result that XLA allocates with the call (sized by
@@ -1001,15 +1001,17 @@ ffi::Error gemm_fp8_wgmma_grouped(cudaStream_t stream, ffi::ScratchAllocator all
                            c.n, c.k, gs, groups, bias, cin, out, accumulate);
 }
 #ifdef JAXHQ_WITH_CUTLASS
-// ---- Per-tensor FP8 grouped on CUTLASS (fp8_cutlass_grouped.cu): the group sizes read on the device, the
+// ---- Per-tensor / blockwise (1x128 x 128x128) FP8 grouped on CUTLASS (fp8_cutlass_grouped.cu): the group sizes read on the device, the
 // per-group tables and CUTLASS's own workspace in the workspace result, so the call is graphable.
 ffi::Error gemm_fp8_cutlass_grouped(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi::AnyBuffer b,
                                     ffi::AnyBuffer sb, ffi::AnyBuffer gs, ffi::AnyBuffer cin,
                                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-                                    int32_t accumulate, int32_t fast_accum) {
+                                    int32_t mode_a, int32_t mode_b, int32_t accumulate, int32_t fast_accum) {
   LtCall c{};
   int64_t t, groups;
-  if (auto e = check_fp8_grouped(a, sa, b, sb, kTensor, kTensor, &c, &t, &groups); e.failure()) return e;
+  if (!(mode_a == kTensor && mode_b == kTensor) && !(mode_a == kVec128 && mode_b == kBlk128))
+    return invalid("grouped FP8 (CUTLASS): per-tensor scales, or 1x128 A and 128x128 B scales");
+  if (auto e = check_fp8_grouped(a, sa, b, sb, mode_a, mode_b, &c, &t, &groups); e.failure()) return e;
   if (auto e = check_sizes(gs, groups); e.failure()) return e;
   if (auto e = check_grouped_out(t, groups, c.n, nullptr, cin, out, accumulate, &c);
       e.failure())
@@ -1018,7 +1020,7 @@ ffi::Error gemm_fp8_cutlass_grouped(cudaStream_t stream, ffi::AnyBuffer a, ffi::
                          static_cast<const float*>(sa.untyped_data()), static_cast<const float*>(sb.untyped_data()),
                          static_cast<const int32_t*>(gs.untyped_data()), c.d, t, c.n, c.k, groups,
                          c.type_a == lt::kR8F_E5M2, c.type_b == lt::kR8F_E5M2, c.out_type == lt::kR32F,
-                         c.accumulate, fast_accum != 0, workspace->untyped_data(),
+                         c.accumulate, fast_accum != 0, mode_a == kVec128, workspace->untyped_data(),
                          int64_t(workspace->size_bytes())};
   if (std::string e = gemm::cutlass_grouped_gemm(p, stream); !e.empty())
     return invalid("grouped FP8 (CUTLASS), A " + dims(a) + " x B " + dims(b) + ": " + e);
@@ -1104,13 +1106,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_fp8_cutlass_grouped, jaxhq::gemm_f
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()  // a [T, K] E4M3 / E5M2
-                                  .Arg<ffi::AnyBuffer>()  // scale_inv a [] fp32
+                                  .Arg<ffi::AnyBuffer>()  // scale_inv a: [] or [T, ceil(K/128)] fp32
                                   .Arg<ffi::AnyBuffer>()  // b [G, N, K] E4M3
-                                  .Arg<ffi::AnyBuffer>()  // scale_inv b [G] fp32
+                                  .Arg<ffi::AnyBuffer>()  // scale_inv b: [G] or [G, ceil(N/128), ceil(K/128)]
                                   .Arg<ffi::AnyBuffer>()  // group_sizes [G] int32 (read on the device)
                                   .Arg<ffi::AnyBuffer>()  // c (aliased to out when accumulating)
                                   .Ret<ffi::AnyBuffer>()  // out [T, N]
                                   .Ret<ffi::AnyBuffer>()  // workspace (uint8 [cutlass_grouped_workspace_bytes])
+                                  .Attr<int32_t>("mode_a")
+                                  .Attr<int32_t>("mode_b")
                                   .Attr<int32_t>("accumulate")
                                   .Attr<int32_t>("fast_accum"),
                               {ffi::Traits::kCmdBufferCompatible});
