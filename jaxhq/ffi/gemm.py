@@ -366,10 +366,11 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
     (data [G, N, ...], e.g. the storages stacked once with `stack_storages`: a list is stacked on every call),
     group_sizes [G] int32 (rows past their sum give 0, or keep `accumulate`), bias [G, N].
 
-    The FP8 wgmma kernel (Hopper: per-tensor and blockwise FP8 by default, MXFP8 with `kernel="wgmma"`) reads
-    group_sizes on the device (no host synchronisation) and promotes its sums every 128-wide K step; the
-    cuBLASLt paths read them on the host (one stream synchronisation). For FP8, `kernel="cublaslt"` takes the
-    cuBLASLt path, where `fast_accum` applies.
+    Per-tensor and blockwise FP8 on a Hopper: CUTLASS's grouped kernels by default where the extension has
+    them and they apply (`_cutlass_grouped_unfit`; `kernel="cutlass"` requires them), else the FP8 wgmma kernel
+    (`kernel="wgmma"`; MXFP8 takes it with `kernel="wgmma"` too); both read group_sizes on the device (no host
+    synchronisation) and promote their sums every 128-wide K step, unless `fast_accum` (per-tensor, CUTLASS or
+    cuBLASLt). `kernel="cublaslt"` and the other formats read the sizes on the host (one stream synchronisation).
     """
     name = "grouped GEMM"
     stacked = bs if isinstance(bs, Storage) else stack_storages(bs, name)
