@@ -8,8 +8,9 @@
 //   jaxhq_gemm_nvfp4: NVFP4 on Hopper fp16 tensor cores (nvfp4_wgmma.cu), the codes decoded in shared memory.
 //   jaxhq_gemm_fp8_wgmma_grouped: per-tensor / blockwise FP8 grouped on the same kernel (Hopper), the group
 //                   sizes read on the device; jaxhq_gemm_fp8_grouped is its cuBLASLt form (host sizes).
-//   jaxhq_gemm_fp8_cutlass_grouped: per-tensor / blockwise FP8 grouped on CUTLASS's sm90 pointer-array kernels (built with
-//                   the CUTLASS headers), the group sizes read on the device, its tables in a workspace result.
+//   jaxhq_gemm_fp8_cutlass_grouped: per-tensor / blockwise FP8 grouped on CUTLASS's sm90 pointer-array
+//                   kernels (built with CUTLASS's headers), the group sizes read on the device, its tables in a
+//                   workspace result (graphable).
 // Optional bias [N] and accumulate-into (out aliases the `c` input). The dense handlers take their cuBLASLt
 // workspace and temporaries from a workspace result that XLA allocates with the call (sized by
 // jaxhq/ffi/gemm.py), so they are command-buffer compatible: XLA records them into its CUDA graphs with the
@@ -1001,8 +1002,8 @@ ffi::Error gemm_fp8_wgmma_grouped(cudaStream_t stream, ffi::ScratchAllocator all
                            c.n, c.k, gs, groups, bias, cin, out, accumulate);
 }
 #ifdef JAXHQ_WITH_CUTLASS
-// ---- Per-tensor / blockwise (1x128 x 128x128) FP8 grouped on CUTLASS (fp8_cutlass_grouped.cu): the group sizes read on the device, the
-// per-group tables and CUTLASS's own workspace in the workspace result, so the call is graphable.
+// ---- Per-tensor / blockwise (1x128 x 128x128) FP8 grouped on CUTLASS (fp8_cutlass_grouped.cu): the group sizes
+// read on the device, the per-group tables and CUTLASS's own workspace in the workspace result (graphable).
 ffi::Error gemm_fp8_cutlass_grouped(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi::AnyBuffer b,
                                     ffi::AnyBuffer sb, ffi::AnyBuffer gs, ffi::AnyBuffer cin,
                                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
@@ -1013,9 +1014,7 @@ ffi::Error gemm_fp8_cutlass_grouped(cudaStream_t stream, ffi::AnyBuffer a, ffi::
     return invalid("grouped FP8 (CUTLASS): per-tensor scales, or 1x128 A and 128x128 B scales");
   if (auto e = check_fp8_grouped(a, sa, b, sb, mode_a, mode_b, &c, &t, &groups); e.failure()) return e;
   if (auto e = check_sizes(gs, groups); e.failure()) return e;
-  if (auto e = check_grouped_out(t, groups, c.n, nullptr, cin, out, accumulate, &c);
-      e.failure())
-    return e;
+  if (auto e = check_grouped_out(t, groups, c.n, nullptr, cin, out, accumulate, &c); e.failure()) return e;
   gemm::CutlassGrouped p{static_cast<const uint8_t*>(a.untyped_data()), static_cast<const uint8_t*>(b.untyped_data()),
                          static_cast<const float*>(sa.untyped_data()), static_cast<const float*>(sb.untyped_data()),
                          static_cast<const int32_t*>(gs.untyped_data()), c.d, t, c.n, c.k, groups,
@@ -1025,10 +1024,8 @@ ffi::Error gemm_fp8_cutlass_grouped(cudaStream_t stream, ffi::AnyBuffer a, ffi::
   if (std::string e = gemm::cutlass_grouped_gemm(p, stream); !e.empty())
     return invalid("grouped FP8 (CUTLASS), A " + dims(a) + " x B " + dims(b) + ": " + e);
   if (c.accumulate) return ffi::Error::Success();
-  std::string e = groups > 0 ? gemm::zero_past_groups(c.d, p.group_sizes, groups, t, c.n, p.out_f32, stream)
-                  : t * c.n > 0 && cudaMemsetAsync(c.d, 0, size_t(t * c.n) * (p.out_f32 ? 4 : 2), stream) != cudaSuccess
-                      ? "zeroing the output failed" : "";
-  return e.empty() ? ffi::Error::Success() : internal(e);
+  std::string e = gemm::zero_past_groups(c.d, p.group_sizes, groups, t, c.n, p.out_f32, stream);  // no groups: all
+  return e.empty() ? ffi::Error::Success() : internal("zeroing the rows past the groups: " + e);
 }
 #endif
 
