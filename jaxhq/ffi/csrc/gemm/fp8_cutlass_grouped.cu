@@ -1,8 +1,8 @@
-// Grouped (MoE) per-tensor FP8 GEMM on CUTLASS's sm90 pointer-array kernel, with every group's problem read on
-// the device: a one-block prologue turns the device-side group sizes into CUTLASS's per-group problem shapes,
-// operand pointers, strides and alphas (sa * sb[g]) in the call's workspace, and the persistent kernel's group
-// scheduler walks them there. No host synchronisation and no host-side per-group loop, so the call is recorded
-// into CUDA graphs like the dense GEMMs.
+// Grouped (MoE) per-tensor and blockwise FP8 GEMMs on CUTLASS's sm90 pointer-array kernels, with every group's
+// problem read on the device: a one-block prologue turns the device-side group sizes into CUTLASS's per-group
+// problem shapes, operand pointers, strides and alphas (sa * sb[g]; blockwise: scale pointers) in the call's
+// workspace, and the persistent kernel's group scheduler walks them there. No host synchronisation and no
+// host-side per-group loop, so the call is recorded into CUDA graphs like the dense GEMMs.
 #include "fp8_cutlass_grouped.h"
 
 #include <algorithm>
