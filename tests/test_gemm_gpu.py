@@ -315,16 +315,23 @@ def test_grouped(recipe, kernel, accumulate):
     fn = jax.jit(lambda a, bs, gs, bias, c: G.grouped_gemm(a, bs, gs, jnp.float32, bias=bias, accumulate=c,
                                                            kernel=kernel))
     out = np.asarray(fn(a, bs, jnp.asarray(sizes, jnp.int32), bias, c), np.float64)
-    av = _dequant64(a)
-    ref = np.zeros((t, n)) if c is None else np.asarray(c, np.float64).copy()
-    start = 0
+    _check_grouped(out, a, bs, sizes, c, bias, jnp.float32, f"grouped {recipe} accumulate={accumulate} seed={seed}")
+
+
+def _check_grouped(out, a, bs, sizes, c, bias, dtype, what):
+    """A grouped GEMM's output against float64: group g's rows (its size clamped to the rows left) get
+    A @ bs[g].T (+ bias[g]) added to c (or to 0); rows past the groups must be zero unless accumulating."""
+    av, start = _dequant64(a), 0
+    ref = np.zeros(out.shape) if c is None else np.asarray(c, np.float64).copy()
     for g, size in enumerate(sizes):
-        rows = slice(start, start + size)
-        ref[rows] += av[rows] @ _dequant64(bs[g]).T + np.asarray(bias[g], np.float64)[None, :]
-        start += size
-    if not accumulate:
+        rows = slice(start, start + min(size, out.shape[0] - start))
+        ref[rows] += av[rows] @ _dequant64(bs[g]).T + (0 if bias is None else np.asarray(bias[g], np.float64)[None])
+        start = rows.stop
+    if c is None:
         assert (out[start:] == 0).all(), "rows past the groups must be zero"
-    _check(out, ref, jnp.float32, f"grouped {recipe} accumulate={accumulate} seed={seed}")
+        if start == 0:  # every row past the groups: nothing else to compare
+            return
+    _check(out, ref, dtype, what)
 
 
 @pytest.mark.parametrize("recipe", ["fp8_current", "fp8_block", "mxfp8", "nvfp4"])
@@ -632,17 +639,8 @@ def test_cutlass_grouped(case, accumulate, sizes):
     with_bias = jax.jit(lambda a, bs, gs, bias: G.grouped_gemm(a, bs, gs, jnp.bfloat16, bias=bias))
     assert G.FP8_WGMMA_GROUPED in with_bias.lower(a, bs, gs, jnp.zeros((len(sizes), n))).as_text()
     out = np.asarray(_poisoned_call(fn, a, bs, gs, c, shape=(t, n), dtype=jnp.bfloat16), np.float64)
-    av, start = _dequant64(a), 0
-    ref = np.zeros((t, n)) if c is None else np.asarray(c, np.float64).copy()
-    for g, size in enumerate(sizes):
-        size = min(size, t - start)
-        ref[start:start + size] += av[start:start + size] @ _dequant64(jax.tree.map(lambda x: x[g], bs)).T
-        start += size
-    if not accumulate:
-        assert (out[start:] == 0).all(), "rows past the groups must be zero"
-        if start == 0:
-            return
-    _check(out, ref, jnp.bfloat16, f"cutlass grouped {case} {sizes} accumulate={accumulate} seed={seed}")
+    _check_grouped(out, a, [jax.tree.map(lambda x: x[g], bs) for g in range(len(sizes))], sizes, c, None,
+                   jnp.bfloat16, f"cutlass grouped {case} {sizes} accumulate={accumulate} seed={seed}")
 
 
 def _wgmma_grouped_case(recipe, sizes, accumulate):
@@ -662,17 +660,5 @@ def _wgmma_grouped_case(recipe, sizes, accumulate):
     hlo = fn.lower(a, stacked, jnp.asarray(sizes, jnp.int32), bias, c).as_text()
     assert target in hlo
     out = _poisoned_call(fn, a, stacked, jnp.asarray(sizes, jnp.int32), bias, c, shape=(t, n), dtype=jnp.float32)
-    out = np.asarray(out, np.float64)
-    av = _dequant64(a)
-    ref = np.zeros((t, n)) if c is None else np.asarray(c, np.float64).copy()
-    start = 0
-    for g, size in enumerate(sizes):
-        size = min(size, t - start)
-        rows = slice(start, start + size)
-        ref[rows] += av[rows] @ _dequant64(bs[g]).T + np.asarray(bias[g], np.float64)[None, :]
-        start += size
-    if not accumulate:
-        assert (out[start:] == 0).all(), "rows past the groups must be zero"
-    if start == 0 and not accumulate:
-        return
-    _check(out, ref, jnp.float32, f"wgmma grouped {recipe} {sizes} accumulate={accumulate} seed={seed}")
+    _check_grouped(np.asarray(out, np.float64), a, bs, sizes, c, bias, jnp.float32,
+                   f"wgmma grouped {recipe} {sizes} accumulate={accumulate} seed={seed}")
