@@ -35,13 +35,13 @@ struct Cfg {
 };
 
 // Chosen by measurement (docs/gemm.md, H100). Promoted: the FP8 mainloop adds the tensor core's partial sums
-// into FP32 registers every 128-wide K step, so a warpgroup holds 64 x 128 accumulators and as many partial sums:
-// 128 x 128 tiles, clusters of two CTAs along N sharing A's tile (TMA multicast). Fast: no promotion, 128 x 256
-// tiles, clusters of two along M sharing B's tile. Blockwise: 1x128 A and 128x128 B scales applied at each
-// promotion, 128 x 128 tiles as promoted.
-using Promoted = Cfg<128, 128, 1, 2, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+// into FP32 registers every 128-wide K step, so a warpgroup holds its accumulators twice: 128 x 192 tiles (64 x
+// 192 per warpgroup, the widest that fits the registers), no cluster. Fast: no promotion, 128 x 256 tiles,
+// clusters of two along M sharing B's tile (TMA multicast). Blockwise: 1x128 A and 128x128 B scales applied at
+// each promotion (B's 128-wide scale blocks fix the tile's N), 128 x 128 tiles, clusters of two along M.
+using Promoted = Cfg<128, 192, 1, 1, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
 using Fast = Cfg<128, 256, 2, 1, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum>;
-using Blockwise = Cfg<128, 128, 1, 2, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
+using Blockwise = Cfg<128, 128, 2, 1, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
 
 template <typename TA, typename TB, typename TOut, typename C>
 struct Kernel {
