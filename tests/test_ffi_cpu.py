@@ -167,6 +167,20 @@ def test_stochastic_rounding_unbiased_and_reproducible(q):
     assert abs(float(jnp.mean(z))) < 5.0 / np.sqrt(float(jnp.sum(ok)))  # the average: 5 sigma
 
 
+def test_key_words_are_the_keys_data():
+    """The stochastic-rounding seed takes a key's own two words (no random-bits kernel per launch): typed and raw
+    threefry keys give their data, a wider key (rbg, four words) the xor of its halves; under jit and vmap too."""
+    from jaxhq.ffi import primitives as P
+    typed, raw = jax.random.key(7), jax.random.PRNGKey(7)
+    np.testing.assert_array_equal(np.asarray(P.key_words(typed)), np.asarray(jax.random.key_data(typed)))
+    np.testing.assert_array_equal(np.asarray(jax.jit(P.key_words)(raw)), np.asarray(raw, np.uint32))
+    wide = jax.random.key(7, impl="rbg")
+    d = np.asarray(jax.random.key_data(wide), np.uint32).reshape(-1, 2)
+    np.testing.assert_array_equal(np.asarray(P.key_words(wide)), np.bitwise_xor.reduce(d, axis=0))
+    keys = jax.random.split(jax.random.key(1), 3)
+    np.testing.assert_array_equal(np.asarray(jax.vmap(P.key_words)(keys)), np.asarray(jax.random.key_data(keys)))
+
+
 def test_amax_and_vmap():
     from jaxhq.ffi import primitives as P
     xs = random_input(jax.random.key(5), (3, 48, 40), jnp.bfloat16)

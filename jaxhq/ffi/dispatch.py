@@ -150,7 +150,7 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
             if v[1] & P.OPT_SR:
                 if key is None:
                     return None  # the reference raises the helpful error
-                key_words = jax.random.bits(key, (2,), jnp.uint32)
+                key_words = P.key_words(key)
         if s is not None:
             values[a] = s
     # The launch's sides: its rowwise copy is made along the rows of what it reads (x2d's columnwise copy when

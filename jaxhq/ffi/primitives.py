@@ -88,6 +88,17 @@ def poison_like(sds):
     return raw if dt == ut else jax.lax.bitcast_convert_type(raw, dt)
 
 
+def key_words(key):
+    """The two uint32 words of a jax.random key that the kernels' stochastic rounding hashes (csrc/numerics.h
+    sr_key mixes each fully): the key's own data, so a launch costs no random-bits kernel; a key of more words
+    (another PRNG implementation) is folded to two by xor."""
+    data = jax.random.key_data(key).astype(jnp.uint32).reshape(-1, 2)
+    words = data[0]
+    for row in range(1, data.shape[0]):
+        words = words ^ data[row]
+    return words
+
+
 def seed_words(key_words, m: int, k: int, m0=0, k0=0):
     """The quantize seed of an [m, k] tensor: key (2 uint32), offset (m0, k0) of this piece in it, its shape."""
     u = lambda v: jnp.asarray(v, jnp.uint32).reshape(1)  # noqa: E731
