@@ -643,6 +643,49 @@ def test_cutlass_grouped(case, accumulate, sizes):
                    jnp.bfloat16, f"cutlass grouped {case} {sizes} accumulate={accumulate} seed={seed}")
 
 
+@pytest.mark.parametrize("case", ["e4m3-fast", "block"])
+def test_cutlass_grouped_in_cuda_graphs(case):
+    """The CUTLASS grouped call is declared command-buffer compatible: a jitted step that quantizes A, runs two
+    grouped calls (the second with the group order reversed) and combines them, compiled with XLA's CUDA graphs,
+    gives bit for bit what it gives launched op by op, on fresh operands and fresh group sizes at every call (a
+    recorded graph reads the sizes where they are on the device; one replaying the first call's would not)."""
+    _hopper_only()
+    if G.FP8_CUTLASS_GROUPED not in G._cuda_targets():
+        pytest.skip("the extension was built without CUTLASS (pip install nvidia-cutlass before building)")
+    qa, qb, fast_accum = CUTLASS_CASES[case]
+    t, k, n, groups = 1000, 528, 1064, 5
+
+    def step(x, bs, gs):
+        a = quantize(x, qa, "rowwise").rowwise
+        one = G.grouped_gemm(a, bs, gs, jnp.bfloat16, fast_accum=fast_accum, kernel="cutlass")
+        two = G.grouped_gemm(a, bs, gs[::-1], jnp.bfloat16, fast_accum=fast_accum, kernel="cutlass")
+        return one.astype(jnp.float32) * 2 - two, one
+
+    def fresh():
+        rng, seed = _rng()
+        cuts = np.sort(rng.integers(0, t + 200, groups - 1))  # ragged; the last may run past T (clamped)
+        sizes = np.diff(np.concatenate([[0], cuts, [t + 100]]))
+        x = jnp.asarray(rng.standard_normal((t, k)), jnp.float32)
+        bs = G.stack_storages([quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32), qb,
+                                        "rowwise").rowwise for _ in range(groups)])
+        return (x, bs, jnp.asarray(sizes, jnp.int32)), seed
+
+    args, _ = fresh()
+    lowered = jax.jit(step).lower(*args)
+    assert G.FP8_CUTLASS_GROUPED in lowered.as_text()
+    graphs, plain = lowered.compile(), lowered.compile({"xla_gpu_enable_command_buffer": ""})
+    for _ in range(3):
+        args, seed = fresh()
+        got, want = graphs(*args), plain(*args)
+        for i, (x, y) in enumerate(zip(got, want)):
+            assert np.array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), equal_nan=True), \
+                f"{case} seed={seed}: output {i} differs between CUDA graphs and plain launches"
+        ref = jax.jit(lambda x, bs, gs: G.grouped_gemm(quantize(x, qa, "rowwise").rowwise, bs, gs, jnp.bfloat16,
+                                                       fast_accum=fast_accum, kernel="cutlass"))(*args)
+        np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(ref, np.float32),
+                                      err_msg=f"{case} seed={seed}: the step's first call differs from a lone call")
+
+
 def _wgmma_grouped_case(recipe, sizes, accumulate):
     _hopper_only()
     qa, qb, target = WGMMA_GROUPED[recipe]
