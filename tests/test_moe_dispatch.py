@@ -72,6 +72,76 @@ def test_grouped_dense_drops_rows_past_the_capacity():
     np.testing.assert_array_equal(y[200:], full[200:])
 
 
+GROUPED_RECIPES = ["fp8_block", "mxfp8"]  # row-local forward and dgrad copies: what dispatch "grouped" takes
+
+
+def _grouped_gemms_built():
+    from jaxhq.ffi import gemm as G
+    return G._registered()  # on the default backend
+
+
+@pytest.mark.parametrize("recipe_name", GROUPED_RECIPES)
+def test_grouped_gemm_dispatch_equals_capacity(recipe_name):
+    """Dispatch "grouped" (forward and dgrad as one ragged grouped GEMM each over the sorted rows) against the
+    dropless capacity dispatch, with per-group biases, an empty group and rows past the groups: the same quantized
+    operands, so the forward and dgrad agree up to the GEMMs' summation order (_close) and the wgrad and bias
+    gradient, made from the same per-group buffers by the same ops, bit for bit; the grouped GEMM target runs."""
+    if not _grouped_gemms_built():
+        pytest.skip("jaxhq FFI extension not built: no grouped GEMM")
+    rec = recipes.get(recipe_name)
+    sizes = jnp.asarray((100, 0, 60, 80))  # 240 of 256 rows: the last 16 belong to no group
+    qs = [rec.dense_quantizers(f"moe.experts_{g}.fc1", "grouped_linear") for g in range(4)]
+    x, ws, b, g = _normal(0, (256, 64)), _normal(1, (4, 64, 96)), _normal(3, (4, 96)), _normal(2, (256, 96))
+
+    def run(dispatch):
+        def loss(x, ws, b):
+            y = jaxhq.grouped_dense(x, ws, sizes, quantizers=qs, biases=b, dispatch=dispatch)
+            return jnp.sum(y * g), y
+        fn = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
+        return fn(x, ws, b), fn.lower(x, ws, b).as_text()
+
+    ((loss, y), (dx, dws, db)), hlo = run("grouped")
+    ((loss_r, y_r), (dx_r, dws_r, db_r)), _ = run("capacity")
+    assert len(re.findall(r'custom_call_target="jaxhq_gemm_\w*grouped"|@jaxhq_gemm_\w*grouped', hlo)) == 2, hlo
+    assert not np.asarray(y)[240:].any() and not np.asarray(dx)[240:].any()
+    _close((loss, y, dx), (loss_r, y_r, dx_r))
+    _equal((dws, db), (dws_r, db_r))
+
+
+def test_grouped_gemm_dispatch_stochastic_wgrad_copies_take_the_capacity_keys():
+    """Row-local forward and dgrad copies (MXFP8) with stochastically rounded NVFP4 wgrad copies: the grouped
+    dispatch gives each group the keys the capacity dispatch gives it, so with the same buffer length the weight
+    gradient is the same bits; another key changes it."""
+    if not _grouped_gemms_built():
+        pytest.skip("jaxhq FFI extension not built: no grouped GEMM")
+    act = jaxhq.Hybrid(jaxhq.MXFP8(), jaxhq.NVFP4(stochastic_rounding=True))
+    qs = [recipes.DenseQuantizers(act, jaxhq.MXFP8(), act) for _ in range(3)]
+    sizes = jnp.asarray((100, 60, 80))
+    x, ws, g = _normal(0, (256, 64)), _normal(1, (3, 64, 96)), _normal(2, (256, 96))
+
+    def dw(dispatch, seed):
+        f = lambda ws: jnp.sum(jaxhq.grouped_dense(x, ws, sizes, quantizers=qs, key=jax.random.key(seed),  # noqa
+                                                   dispatch=dispatch) * g)
+        return jax.jit(jax.grad(f))(ws)
+
+    _equal(dw("grouped", 7), dw("capacity", 7))
+    assert not np.array_equal(np.asarray(dw("grouped", 7)), np.asarray(dw("grouped", 8)))
+
+
+@pytest.mark.parametrize("recipe_name, kw, match", [
+    ("fp8_current", {}, r"moe\.experts_0\.fc1.*input's rowwise copy \(fp8_e4m3.*not row-local"),
+    ("nvfp4", {}, r"input's rowwise copy \(nvfp4.*not row-local"),
+    ("fp8_delayed", {}, "delayed-scaling state"),
+    ("mxfp8", {"capacity": 128}, "drops no rows"),
+])
+def test_grouped_gemm_dispatch_says_what_it_cannot_take(recipe_name, kw, match):
+    rec = recipes.get(recipe_name)
+    qs = [rec.dense_quantizers(f"moe.experts_{g}.fc1", "grouped_linear") for g in range(2)]
+    with pytest.raises(ValueError, match=match):
+        jaxhq.grouped_dense(_normal(0, (256, 64)), _normal(1, (2, 64, 96)), jnp.asarray((100, 60)), quantizers=qs,
+                            dispatch="grouped", **kw)
+
+
 def _moe_grads(model, x):
     variables = model.init(jax.random.key(1), x)
 
@@ -90,6 +160,41 @@ def test_moe_capacity_equals_replicated(recipe_name):
     kw = dict(capacity_factor=4.0) if recipe_name == "nvfp4" else {}
     make = lambda **k: MoE(4, 2, 64, recipes.get(recipe_name), activation="gelu", name="moe", **k)  # noqa: E731
     _equal(_moe_grads(make(**kw), x), _moe_grads(make(dispatch="replicated"), x))
+
+
+@pytest.mark.parametrize("recipe_name", GROUPED_RECIPES)
+def test_moe_grouped_gemm_dispatch_equals_replicated(recipe_name):
+    """MoE (4 experts, top-2, 128 tokens) with dispatch "grouped": the same sort as "replicated", fc1 and fc2 on
+    the grouped GEMMs. fc1's outputs agree up to summation order (measured: 6e-8 of the largest), but fc2 quantizes
+    them again, and where one lies on an FP8 rounding boundary its code may differ by one step (at most 1/8 of its
+    block's largest value), which moves a few outputs by up to about 1e-2 of the largest; a wiring error (a row
+    to the wrong expert, a lost bias or activation) moves them by O(1). A capacity factor is refused."""
+    if not _grouped_gemms_built():
+        pytest.skip("jaxhq FFI extension not built: no grouped GEMM")
+    x = _normal(3, (2, 64, 64))
+    make = lambda **k: MoE(4, 2, 64, recipes.get(recipe_name), activation="gelu", name="moe", **k)  # noqa: E731
+    _close(_moe_grads(make(dispatch="grouped"), x), _moe_grads(make(dispatch="replicated"), x), rel=2e-2)
+    model = make(dispatch="grouped")
+    params = model.init(jax.random.key(1), x)
+    hlo = jax.jit(model.apply).lower(params, x).as_text()
+    assert len(re.findall(r'custom_call_target="jaxhq_gemm_\w*grouped"|@jaxhq_gemm_\w*grouped', hlo)) == 2
+    with pytest.raises(ValueError, match="drops no tokens"):
+        make(dispatch="grouped", capacity_factor=1.25).init(jax.random.key(1), x)
+
+
+def test_transformer_layer_passes_the_moe_dispatch():
+    """MoEConfig(dispatch="grouped") reaches the layer's MoE: fc1 and fc2 run the grouped GEMMs, and the layer's
+    output and gradients agree with dispatch "replicated" (tolerance as in the MoE test above)."""
+    if not _grouped_gemms_built():
+        pytest.skip("jaxhq FFI extension not built: no grouped GEMM")
+    from jaxhq.layers import MoEConfig, TransformerLayer
+    x = _normal(4, (2, 32, 64))
+    make = lambda d: TransformerLayer(4, 64, recipes.get("mxfp8"), moe=MoEConfig(4, 2, 32, dispatch=d),  # noqa: E731
+                                      name="layers_0")
+    model = make("grouped")
+    hlo = jax.jit(model.apply).lower(model.init(jax.random.key(1), x), x).as_text()
+    assert len(re.findall(r'custom_call_target="jaxhq_gemm_\w*grouped"|@jaxhq_gemm_\w*grouped', hlo)) == 2
+    _close(_moe_grads(model, x), _moe_grads(make("replicated"), x), rel=2e-2)
 
 
 @pytest.fixture

@@ -13,6 +13,9 @@ shard's tokens: dropless by default, `capacity_factor` drops what overflows), an
 shards' buffers one after another, [E, S*C, d]. Under expert parallelism that concatenation is an all-to-all
 (jaxhq/sharding/experts.py): tokens travel only to their experts' rank. With S = 1 and no token dropped the
 result equals dispatch "replicated" (one global sort, every expert gets all T*k rows) bit for bit.
+
+Dispatch "grouped": one global sort, and fc1 and fc2 run their forward and dgrad GEMMs as ragged grouped GEMMs over
+the T*k sorted rows (jaxhq.ops.grouped_dense, dispatch "grouped": row-local formats, dropless, unsharded experts).
 """
 from __future__ import annotations
 
@@ -173,8 +176,9 @@ def combine_shards(local, shards: int, bufs, *args):
 class MoE(nn.Module):
     """Mixture of experts (no residual): optional pre-norm, top-k router, experts fc1 -> act -> fc2.
 
-    dispatch: "capacity" or "replicated" (see the module docstring). capacity_factor: None (dropless) or the
-    expert buffers' rows per token shard over top_k * tokens / num_experts (jaxhq.ops.grouped.expert_capacity).
+    dispatch: "capacity", "replicated" or "grouped" (see the module docstring). capacity_factor: None (dropless)
+    or the expert buffers' rows per token shard over top_k * tokens / num_experts (jaxhq.ops.grouped.expert_capacity;
+    "grouped" drops nothing and takes none).
     dispatch_shards: None (the mesh's) or the token shards S of the buffer layout, e.g. to run a layer unsharded
     with a sharded one's layout."""
 
@@ -198,6 +202,9 @@ class MoE(nn.Module):
             raise ValueError(f"MoE: top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
         if self.dispatch not in DISPATCHES:
             raise ValueError(f"MoE: dispatch must be one of {DISPATCHES}, got {self.dispatch!r}")
+        if self.dispatch == "grouped" and self.capacity_factor is not None:
+            raise ValueError(f"MoE: dispatch 'grouped' drops no tokens; capacity_factor={self.capacity_factor} "
+                             "needs dispatch 'capacity'")
         d = x.shape[-1]
         h = make_norm(self.norm, self.epsilon, self.dtype, self.param_dtype)(x) if self.norm else x
         h2 = h.reshape(-1, d)
@@ -210,10 +217,10 @@ class MoE(nn.Module):
                       param_dtype=self.param_dtype, kernel_init=self.kernel_init)
         fc1 = GroupedDense(width, kernel_axes=("expert", "embed", "mlp"), name="fc1", **common)
         fc2 = GroupedDense(d, kernel_axes=("expert", "mlp", "embed"), name="fc2", **common)
-        if self.dispatch == "replicated":
+        if self.dispatch in ("replicated", "grouped"):  # the k copies sorted by expert, T * k rows
             order, tok, sizes = sort_by_expert(idx, self.num_experts)
-            a = activate(fc1(h2[tok], sizes, dispatch="replicated"), self.activation)
-            ys = fc2(a, sizes, dispatch="replicated")
+            a = activate(fc1(h2[tok], sizes, dispatch=self.dispatch), self.activation)
+            ys = fc2(a, sizes, dispatch=self.dispatch)
             return _unsort(ys, order, tok, w, h2.shape[0]).reshape(x.shape[:-1] + (d,))
 
         path = ".".join(str(p) for p in self.scope.path) or "moe"

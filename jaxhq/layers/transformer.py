@@ -25,11 +25,13 @@ from .moe import MoE
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """Mixture-of-experts settings of a TransformerLayer; d_ff None: the layer's d_ff per expert."""
+    """Mixture-of-experts settings of a TransformerLayer; d_ff None: the layer's d_ff per expert; dispatch: MoE's
+    ("capacity", "replicated" or "grouped")."""
 
     num_experts: int = 4
     top_k: int = 2
     d_ff: Optional[int] = None
+    dispatch: str = "capacity"
 
 
 class TransformerLayer(nn.Module):
@@ -66,5 +68,5 @@ class TransformerLayer(nn.Module):
         else:
             cfg = self.moe if isinstance(self.moe, MoEConfig) else MoEConfig(**dict(self.moe))
             m = MoE(cfg.num_experts, cfg.top_k, cfg.d_ff or self.d_ff, activation=self.activation, name="moe",
-                    **common)(x)
+                    dispatch=cfg.dispatch, **common)(x)
         return constrain(x + nn.Dropout(self.dropout_rate)(m, deterministic=deterministic), stream)

@@ -10,11 +10,21 @@ both give the same bits (NVFP4 stochastic rounding aside: its random draws depen
 its wgrad matches bit for bit only when capacity == T). Groups may use different quantizers (some hybrid, some not). When every group has
 the same quantizers (roles aside) and the kernels are one stacked array, the groups run as one vmap over the
 experts; with an ExpertSharding that vmap is split on the expert mesh axis (expert parallelism, see
-jaxhq/sharding/experts.py). This is the exact reference; grouped GPU kernels plug in behind the same contract.
+jaxhq/sharding/experts.py). This is the exact reference.
+
+"grouped" runs the forward and dgrad GEMMs as one ragged grouped GEMM each over the sorted rows
+(jaxhq.ffi.gemm.grouped_gemm: no per-group buffers, no multiply of rows past a group; on a Hopper the blockwise
+FP8 calls run CUTLASS's grouped kernel and read the group sizes on the device, MXFP8's dequantize path reads them
+on the host), for quantizers whose forward and dgrad copies are row-local (rowwise MXFP8 or 1x128 blocks), so
+that quantizing all rows at once gives each row the bits its group alone would give it. The wgrad contracts over
+each group's rows: its columnwise copies (blocks along the tokens, per group) come from dropless capacity
+buffers as above, with the capacity dispatch's keys. It needs one stacked kernel, the same quantizers for every
+group, no delayed-scaling state and no expert sharding; otherwise it says which.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from typing import Optional, Sequence
@@ -22,11 +32,13 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from ..formats import COLUMNWISE, MXFP8, ROWWISE, Float8Block, side
 from ..recipes import DenseQuantizers
-from .dense import dense
+from .dense import _keys, _Meta, _quantize, dense
+from .gemm import gemm
 
 ROW_BLOCK = 128  # capacities are multiples of this: it is a multiple of every format's block along tokens
-DISPATCHES = ("capacity", "replicated")
+DISPATCHES = ("capacity", "replicated", "grouped")
 
 
 def round_rows(n: int) -> int:
@@ -87,7 +99,8 @@ def grouped_dense(x, kernels, group_sizes=None, *, quantizers: Sequence[DenseQua
 
     x [G, C, K] with group_sizes None: rows already in per-group buffers (zeros past each group's rows, as
     to_experts makes them); returns [G, C, N]. dispatch: "capacity" (default; capacity None: round_rows(T),
-    exact) or "replicated" (the former dispatch: every group gets all T rows), see the module docstring.
+    exact), "replicated" (the former dispatch: every group gets all T rows) or "grouped" (ragged grouped GEMMs
+    over the sorted rows, for row-local formats; capacity must be None), see the module docstring.
     expert_sharding: a jaxhq.sharding.ExpertSharding (or None) for kernels split on an expert mesh axis; the
     experts are split when the kernels are one stacked array and every group has the same quantizers (else
     they run one by one, with a warning).
@@ -105,6 +118,8 @@ def grouped_dense(x, kernels, group_sizes=None, *, quantizers: Sequence[DenseQua
         raise ValueError(f"grouped_dense: x must be [tokens, features] (or [groups, rows, features] without "
                          f"group_sizes), got shape {tuple(x.shape)}")
     rows = x.shape[0]
+    if dispatch == "grouped":
+        return _grouped_gemms(x, kernels, group_sizes, quantizers, biases, key, states, expert_sharding, capacity)
     if dispatch == "capacity":
         xs = to_experts(x, group_sizes, round_rows(rows) if capacity is None else capacity)
         return from_experts(_experts(xs, kernels, quantizers, biases, key, states, expert_sharding),
@@ -159,3 +174,102 @@ def _experts(xs, kernels, quantizers, biases, key, states, expert_sharding):
     return jax.vmap(one, in_axes=(0, 0, None if biases is None else 0, None if keys is None else 0,
                                   None if stacked is None else 0), spmd_axis_name=axis)(
         xs, kernels, biases, keys, stacked)
+
+
+def _row_local(q, axis: str) -> bool:
+    """Whether q's `axis` copy of a [rows, K] tensor gives each row the bits it gets quantized alone: blocks
+    along K only (MXFP8, 1x128) and no per-tensor scale."""
+    s = side(q, axis)
+    return isinstance(s, MXFP8) or (isinstance(s, Float8Block) and s.block[0] == 1)
+
+
+def _grouped_unfit(x, kernels, quantizers, states, expert_sharding, capacity) -> str:
+    """Why dispatch "grouped" cannot run this call ("" when it can)."""
+    shared = _shared(quantizers) if not isinstance(kernels, (list, tuple)) else None
+    if shared is None:
+        return "the groups need one stacked kernel [G, K, N] and the same quantizers"
+    if states is not None or any(getattr(shared, s).stateful for s in ("input", "weight", "grad_output")):
+        return "delayed-scaling state is kept per group; use dispatch 'capacity'"
+    if expert_sharding is not None:
+        return "the experts are split over a mesh axis; use dispatch 'capacity'"
+    if capacity is not None:
+        return f"it drops no rows (capacity {capacity} given)"
+    for slot in ("input", "grad_output"):
+        if not _row_local(getattr(shared, slot), ROWWISE):
+            q = side(getattr(shared, slot), ROWWISE)
+            return (f"the {slot}'s rowwise copy ({q.label}, of {shared.role(slot) or slot}) is not row-local "
+                    "MXFP8 or 1x128 FP8 blocks, so one quantization of all rows would not give each group's rows "
+                    "their own bits")
+    return ""
+
+
+def _group_of_rows(sizes, rows: int):
+    """(group index, inside a group) per row of the sorted layout, sizes clamped as the grouped GEMMs clamp."""
+    ends = jnp.cumsum(jnp.maximum(sizes, 0))
+    t = jnp.arange(rows)
+    g = jnp.clip(jnp.searchsorted(ends, t, side="right"), 0, sizes.shape[0] - 1)
+    return g, t < ends[-1]
+
+
+def _grouped_gemms(x, kernels, group_sizes, quantizers, biases, key, states, expert_sharding, capacity):
+    why = _grouped_unfit(x, kernels, quantizers, states, expert_sharding, capacity)
+    if why:
+        who = quantizers[0].role("weight") if quantizers[0].roles else "grouped dense"
+        raise ValueError(f"{who}: dispatch 'grouped' (x {tuple(x.shape)}, kernels {tuple(kernels.shape)}): {why}")
+    sizes = jnp.asarray(group_sizes, jnp.int32).reshape(kernels.shape[0])
+    keys = None if key is None else jax.vmap(lambda g: jax.random.fold_in(key, g))(jnp.arange(kernels.shape[0]))
+    return _grouped_gemm_op(x, kernels, biases, sizes, keys, _shared(quantizers))
+
+
+def _quantized_weights(kernels, keys, qs, dtype):
+    """Each group's kernel [K, N] quantized as the dense op quantizes it (as kernel.T, both copies, the group's
+    weight key), stacked."""
+    def one(k, kg):
+        return _quantize(k, qs, "weight", (ROWWISE, COLUMNWISE), _keys(kg)[1], None, transposed=True, cast_to=dtype)
+    return jax.vmap(one, in_axes=(0, None if keys is None else 0))(kernels, keys)
+
+
+def _grouped_call(a, bs, sizes, dtype, qs, name: str, slot: str):
+    from ..ffi.gemm import GemmUnsupported, grouped_gemm
+    try:
+        return grouped_gemm(a, bs, sizes, dtype)
+    except GemmUnsupported as e:
+        raise ValueError(f"{name} of {qs.role(slot) or 'grouped dense'} (dispatch 'grouped'): {e}") from None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _grouped_gemm_op(x, kernels, biases, sizes, keys, qs):
+    return _grouped_fwd(x, kernels, biases, sizes, keys, qs)[0]
+
+
+def _grouped_fwd(x, kernels, biases, sizes, keys, qs):
+    qx = _quantize(x, qs, "input", (ROWWISE,), None, None)
+    qw = _quantized_weights(kernels, keys, qs, x.dtype)
+    y = _grouped_call(qx.rowwise, qw.rowwise, sizes, x.dtype, qs, "forward", "input")
+    if biases is not None:  # per row its group's bias; rows past the groups stay 0
+        g, live = _group_of_rows(sizes, x.shape[0])
+        y = y + jnp.where(live[:, None], biases[g].astype(y.dtype), jnp.zeros((), y.dtype))
+    return y, (x, qw.columnwise, sizes, keys, _Meta((kernels.dtype, None if biases is None else biases.dtype)))
+
+
+def _grouped_bwd(qs, res, dy):
+    x, w_col, sizes, keys, (k_dtype, b_dtype) = res
+    qdy = _quantize(dy, qs, "grad_output", (ROWWISE,), None, None)
+    dx = _grouped_call(qdy.rowwise, w_col, sizes, x.dtype, qs, "dgrad", "grad_output")
+    # wgrad: each group's rows in a dropless buffer, its columnwise copies per group, as the dense op makes them
+    cap = round_rows(x.shape[0])
+    xs, dys = to_experts(x, sizes, cap), to_experts(dy, sizes, cap)
+
+    def wgrad(xg, dyg, kg):  # kg: the group's key, split per slot as the dense op splits it
+        kx, _, kdy = _keys(kg)
+        qxg = _quantize(xg, qs, "input", (COLUMNWISE,), kx, None)
+        qdyg = _quantize(dyg, qs, "grad_output", (COLUMNWISE,), kdy, None)
+        return gemm(qxg.columnwise, qdyg.columnwise, out_dtype=x.dtype, name="wgrad",
+                    roles=(qs.role("input"), qs.role("grad_output")), fallback=qs.allow_dequantized_fallback)
+
+    dw = jax.vmap(wgrad, in_axes=(0, 0, None if keys is None else 0))(xs, dys, keys).astype(k_dtype)
+    db = None if b_dtype is None else jnp.sum(dys.astype(jnp.float32), axis=1).astype(b_dtype)
+    return dx, dw, db, None, None
+
+
+_grouped_gemm_op.defvjp(_grouped_fwd, _grouped_bwd)
