@@ -8,7 +8,7 @@
 #   recheck: only the tests selected by RECHECK (a pytest -k expression over the FFI and dense-op tests)
 #   bench: (RECHECK first when set) the benchmarks named by BENCH (default "train peer gemm quantize"; also
 #          "quick": train_step.py --preset quick, QUICK_ARGS; "fsdp": benchmarks/fsdp.py --gpu over all local
-#          GPUs, FSDP_ARGS):
+#          GPUs, FSDP_ARGS; "moe": benchmarks/moe_step.py, MOE_ARGS):
 #          train_step.py (every recipe against bf16; TRAIN_ARGS adds options, e.g. --paths), peer_fp8.py,
 #          (train, quick and gemm time their variants in ROUNDS alternating rounds, default 3)
 #          gemm.py (GEMM_ARGS) and quantize.py once per kernel variant in VARIANTS (default: the default one)
@@ -97,6 +97,8 @@ else
       peer) log "peer_fp8"
         timeout ${PEER_TIMEOUT:-260} $PY benchmarks/peer_fp8.py ${PEER_ARGS:-} --out "$OUTDIR/peer_fp8.json" 2>&1 | tail -18 ;;
       fsdp) fsdp_bench ;;  # sharded steps (FSDP, TP, SP) over all local GPUs
+      moe) log "moe_step ${MOE_ARGS:-}"  # one MoE layer per recipe and token dispatch
+        timeout ${MOE_TIMEOUT:-300} $PY benchmarks/moe_step.py ${MOE_ARGS:-} --out "$OUTDIR/moe_step.json" 2>&1 | tail -14 ;;
       gemm) log "gemm"
         timeout ${GEMM_TIMEOUT:-420} $PY benchmarks/gemm.py --rounds ${ROUNDS:-3} ${GEMM_ARGS:-} --out "$OUTDIR/gemm.json" \
           2>&1 | grep -v "compiled in" | tail -24 ;;
