@@ -614,6 +614,14 @@ CUTLASS_CASES = {  # A quantizer, B quantizer, fast accumulation
 }
 
 
+def _cutlass_only():
+    """Skip where CUTLASS's grouped kernel does not exist: not a Hopper, or an extension built without CUTLASS's
+    headers (scripts/gpu_check.sh builds with them when the nvidia-cutlass wheel is carried)."""
+    _hopper_only()
+    if G.FP8_CUTLASS_GROUPED not in G._cuda_targets():
+        pytest.skip("the extension was built without CUTLASS (pip install nvidia-cutlass before building)")
+
+
 @pytest.mark.parametrize("sizes", GROUPED_SIZES, ids=GROUPED_IDS)
 @pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "accumulate"])
 @pytest.mark.parametrize("case", sorted(CUTLASS_CASES))
@@ -622,9 +630,7 @@ def test_cutlass_grouped(case, accumulate, sizes):
     group sizes), bf16 out: ragged, tile-edge, empty and clamped groups as in test_wgmma_grouped, K = 528 (a
     partial last 128-wide K tile), N = 1064 (a partial last tile column), E4M3 or E5M2 A, promoted or fast
     accumulation; "auto" takes these kernels for such a call and the wgmma kernel once a bias is given."""
-    _hopper_only()
-    if G.FP8_CUTLASS_GROUPED not in G._cuda_targets():
-        pytest.skip("the extension was built without CUTLASS (pip install nvidia-cutlass before building)")
+    _cutlass_only()
     qa, qb, fast_accum = CUTLASS_CASES[case]
     rng, seed = _rng()
     t, k, n = 1000, 528, 1064
@@ -649,9 +655,7 @@ def test_cutlass_grouped_in_cuda_graphs(case):
     grouped calls (the second with the group order reversed) and combines them, compiled with XLA's CUDA graphs,
     gives bit for bit what it gives launched op by op, on fresh operands and fresh group sizes at every call (a
     recorded graph reads the sizes where they are on the device; one replaying the first call's would not)."""
-    _hopper_only()
-    if G.FP8_CUTLASS_GROUPED not in G._cuda_targets():
-        pytest.skip("the extension was built without CUTLASS (pip install nvidia-cutlass before building)")
+    _cutlass_only()
     qa, qb, fast_accum = CUTLASS_CASES[case]
     t, k, n, groups = 1000, 528, 1064, 5
 

@@ -80,14 +80,18 @@ def _grouped_gemms_built():
     return G._registered()  # on the default backend
 
 
+# dispatch "grouped" calls the extension's grouped GEMM targets; a source tree without the built extension has none
+needs_grouped_gemms = pytest.mark.skipif(not _grouped_gemms_built(),
+                                         reason="jaxhq FFI extension not built: no grouped GEMM target to call")
+
+
+@needs_grouped_gemms
 @pytest.mark.parametrize("recipe_name", GROUPED_RECIPES)
 def test_grouped_gemm_dispatch_equals_capacity(recipe_name):
     """Dispatch "grouped" (forward and dgrad as one ragged grouped GEMM each over the sorted rows) against the
     dropless capacity dispatch, with per-group biases, an empty group and rows past the groups: the same quantized
     operands, so the forward and dgrad agree up to the GEMMs' summation order (_close) and the wgrad and bias
     gradient, made from the same per-group buffers by the same ops, bit for bit; the grouped GEMM target runs."""
-    if not _grouped_gemms_built():
-        pytest.skip("jaxhq FFI extension not built: no grouped GEMM")
     rec = recipes.get(recipe_name)
     sizes = jnp.asarray((100, 0, 60, 80))  # 240 of 256 rows: the last 16 belong to no group
     qs = [rec.dense_quantizers(f"moe.experts_{g}.fc1", "grouped_linear") for g in range(4)]
@@ -108,12 +112,11 @@ def test_grouped_gemm_dispatch_equals_capacity(recipe_name):
     _equal((dws, db), (dws_r, db_r))
 
 
+@needs_grouped_gemms
 def test_grouped_gemm_dispatch_stochastic_wgrad_copies_take_the_capacity_keys():
     """Row-local forward and dgrad copies (MXFP8) with stochastically rounded NVFP4 wgrad copies: the grouped
     dispatch gives each group the keys the capacity dispatch gives it, so with the same buffer length the weight
     gradient is the same bits; another key changes it."""
-    if not _grouped_gemms_built():
-        pytest.skip("jaxhq FFI extension not built: no grouped GEMM")
     act = jaxhq.Hybrid(jaxhq.MXFP8(), jaxhq.NVFP4(stochastic_rounding=True))
     qs = [recipes.DenseQuantizers(act, jaxhq.MXFP8(), act) for _ in range(3)]
     sizes = jnp.asarray((100, 60, 80))
@@ -162,6 +165,7 @@ def test_moe_capacity_equals_replicated(recipe_name):
     _equal(_moe_grads(make(**kw), x), _moe_grads(make(dispatch="replicated"), x))
 
 
+@needs_grouped_gemms
 @pytest.mark.parametrize("recipe_name", GROUPED_RECIPES)
 def test_moe_grouped_gemm_dispatch_equals_replicated(recipe_name):
     """MoE (4 experts, top-2, 128 tokens) with dispatch "grouped": the same sort as "replicated", fc1 and fc2 on
@@ -169,8 +173,6 @@ def test_moe_grouped_gemm_dispatch_equals_replicated(recipe_name):
     them again, and where one lies on an FP8 rounding boundary its code may differ by one step (at most 1/8 of its
     block's largest value), which moves a few outputs by up to about 1e-2 of the largest; a wiring error (a row
     to the wrong expert, a lost bias or activation) moves them by O(1). A capacity factor is refused."""
-    if not _grouped_gemms_built():
-        pytest.skip("jaxhq FFI extension not built: no grouped GEMM")
     x = _normal(3, (2, 64, 64))
     make = lambda **k: MoE(4, 2, 64, recipes.get(recipe_name), activation="gelu", name="moe", **k)  # noqa: E731
     _close(_moe_grads(make(dispatch="grouped"), x), _moe_grads(make(dispatch="replicated"), x), rel=2e-2)
@@ -182,11 +184,10 @@ def test_moe_grouped_gemm_dispatch_equals_replicated(recipe_name):
         make(dispatch="grouped", capacity_factor=1.25).init(jax.random.key(1), x)
 
 
+@needs_grouped_gemms
 def test_transformer_layer_passes_the_moe_dispatch():
     """MoEConfig(dispatch="grouped") reaches the layer's MoE: fc1 and fc2 run the grouped GEMMs, and the layer's
     output and gradients agree with dispatch "replicated" (tolerance as in the MoE test above)."""
-    if not _grouped_gemms_built():
-        pytest.skip("jaxhq FFI extension not built: no grouped GEMM")
     from jaxhq.layers import MoEConfig, TransformerLayer
     x = _normal(4, (2, 32, 64))
     make = lambda d: TransformerLayer(4, 64, recipes.get("mxfp8"), moe=MoEConfig(4, 2, 32, dispatch=d),  # noqa: E731

@@ -74,13 +74,18 @@ def to_experts(x, group_sizes, capacity: int):
     return jnp.where(keep, x[src], jnp.zeros((), x.dtype))
 
 
+def group_of_rows(group_sizes, rows: int):
+    """The group of each of `rows` sorted rows (the last group for rows past all of them)."""
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    return jnp.clip(jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(rows), side="right"), 0, sizes.shape[0] - 1)
+
+
 def from_experts(ys, group_sizes, rows: int):
     """The inverse of to_experts: ys [G, C, N] -> y [rows, N] sorted by group; dropped rows and rows past the
     last group are 0."""
     sizes, starts = _starts(group_sizes)
-    t = jnp.arange(rows)
-    g = jnp.clip(jnp.searchsorted(jnp.cumsum(sizes), t, side="right"), 0, sizes.shape[0] - 1)
-    pos = t - starts[g]
+    g = group_of_rows(sizes, rows)
+    pos = jnp.arange(rows) - starts[g]
     keep = ((pos < sizes[g]) & (pos < ys.shape[1]))[:, None]
     return jnp.where(keep, ys[g, jnp.clip(pos, 0, ys.shape[1] - 1)], jnp.zeros((), ys.dtype))
 
@@ -203,14 +208,6 @@ def _grouped_unfit(x, kernels, quantizers, states, expert_sharding, capacity) ->
     return ""
 
 
-def _group_of_rows(sizes, rows: int):
-    """(group index, inside a group) per row of the sorted layout, sizes clamped as the grouped GEMMs clamp."""
-    ends = jnp.cumsum(jnp.maximum(sizes, 0))
-    t = jnp.arange(rows)
-    g = jnp.clip(jnp.searchsorted(ends, t, side="right"), 0, sizes.shape[0] - 1)
-    return g, t < ends[-1]
-
-
 def _grouped_gemms(x, kernels, group_sizes, quantizers, biases, key, states, expert_sharding, capacity):
     why = _grouped_unfit(x, kernels, quantizers, states, expert_sharding, capacity)
     if why:
@@ -221,11 +218,11 @@ def _grouped_gemms(x, kernels, group_sizes, quantizers, biases, key, states, exp
     return _grouped_gemm_op(x, kernels, biases, sizes, keys, _shared(quantizers))
 
 
-def _quantized_weights(kernels, keys, qs, dtype):
-    """Each group's kernel [K, N] quantized as the dense op quantizes it (as kernel.T, both copies, the group's
-    weight key), stacked."""
+def _quantized_weights(kernels, keys, qs, dtype, usage):
+    """Each group's kernel [K, N] quantized as the dense op quantizes it (as kernel.T, the copies in `usage`, the
+    group's weight key), stacked."""
     def one(k, kg):
-        return _quantize(k, qs, "weight", (ROWWISE, COLUMNWISE), _keys(kg)[1], None, transposed=True, cast_to=dtype)
+        return _quantize(k, qs, "weight", usage, _keys(kg)[1], None, transposed=True, cast_to=dtype)
     return jax.vmap(one, in_axes=(0, None if keys is None else 0))(kernels, keys)
 
 
@@ -237,18 +234,25 @@ def _grouped_call(a, bs, sizes, dtype, qs, name: str, slot: str):
         raise ValueError(f"{name} of {qs.role(slot) or 'grouped dense'} (dispatch 'grouped'): {e}") from None
 
 
+def _grouped_forward(x, kernels, biases, sizes, keys, qs, usage_w):
+    """(y, the weights' QTensor with the copies in usage_w)."""
+    qx = _quantize(x, qs, "input", (ROWWISE,), None, None)
+    qw = _quantized_weights(kernels, keys, qs, x.dtype, usage_w)
+    y = _grouped_call(qx.rowwise, qw.rowwise, sizes, x.dtype, qs, "forward", "input")
+    if biases is not None:  # per row its group's bias; rows past the groups stay 0
+        live = jnp.arange(x.shape[0]) < jnp.sum(sizes)
+        y = y + jnp.where(live[:, None], biases[group_of_rows(sizes, x.shape[0])].astype(y.dtype),
+                          jnp.zeros((), y.dtype))
+    return y, qw
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _grouped_gemm_op(x, kernels, biases, sizes, keys, qs):
-    return _grouped_fwd(x, kernels, biases, sizes, keys, qs)[0]
+    return _grouped_forward(x, kernels, biases, sizes, keys, qs, (ROWWISE,))[0]  # no backward: no dgrad copy
 
 
 def _grouped_fwd(x, kernels, biases, sizes, keys, qs):
-    qx = _quantize(x, qs, "input", (ROWWISE,), None, None)
-    qw = _quantized_weights(kernels, keys, qs, x.dtype)
-    y = _grouped_call(qx.rowwise, qw.rowwise, sizes, x.dtype, qs, "forward", "input")
-    if biases is not None:  # per row its group's bias; rows past the groups stay 0
-        g, live = _group_of_rows(sizes, x.shape[0])
-        y = y + jnp.where(live[:, None], biases[g].astype(y.dtype), jnp.zeros((), y.dtype))
+    y, qw = _grouped_forward(x, kernels, biases, sizes, keys, qs, (ROWWISE, COLUMNWISE))
     return y, (x, qw.columnwise, sizes, keys, _Meta((kernels.dtype, None if biases is None else biases.dtype)))
 
 
