@@ -1,6 +1,7 @@
-"""MoE token dispatch: the capacity dispatch (per-group buffers [E, C, K]) equals the former replicated one bit
-for bit when no token is dropped, dropped tokens give 0, and under expert parallelism (data 2 x expert 4) the
-all-to-all dispatch equals the unsharded layer while each expert rank multiplies only its capacity's rows.
+"""MoE token dispatch: the capacity dispatch (per-group buffers [E, C, K]) equals the former replicated one when
+no token is dropped (bit for bit on the CPU backend), dropped tokens give 0, and under expert parallelism (data 2 x
+expert 4) the all-to-all dispatch equals the unsharded layer while each expert rank multiplies only its capacity's
+rows.
 
 The 8-device tests skip with fewer devices; test_sharding_launch.py runs them in an 8-device subprocess.
 """
@@ -39,6 +40,18 @@ def _close(a, b, rel=4e-5):
         assert np.max(np.abs(u - v)) <= rel * np.max(np.abs(v)), f"max diff {np.max(np.abs(u - v)):.3g}"
 
 
+def _same(a, b, rel=4e-5):
+    """Two dispatches' results from the same quantized operands in buffers of other shapes: on the CPU backend
+    their dots and reductions add the same terms in the same order, so bit for bit. A GPU backend picks its GEMM
+    and reduction kernels by shape, and may reduce with atomics (two runs of the same pair differed there in the
+    last bit, 2.4e-7 of O(1) values), so there: the summation-order tolerance of _close, or `rel` where a
+    difference passes through a second quantization (its caller argues it)."""
+    if jax.default_backend() == "cpu":
+        _equal(a, b)
+    else:
+        _close(a, b, rel)
+
+
 def _grouped(recipe_name, sizes, rows, **kw):
     rec = recipes.get(recipe_name)
     qs = [rec.dense_quantizers(f"moe.experts_{g}.fc1", "grouped_linear") for g in range(len(sizes))]
@@ -55,7 +68,7 @@ def _grouped(recipe_name, sizes, rows, **kw):
 def test_grouped_dense_capacity_equals_replicated(recipe_name):
     sizes = (100, 0, 60, 96)
     ref = _grouped(recipe_name, sizes, 256, dispatch="replicated")
-    _equal(_grouped(recipe_name, sizes, 256), ref)  # default capacity: 256 rows, the replicated length
+    _same(_grouped(recipe_name, sizes, 256), ref)  # default capacity: 256 rows, the replicated length
     # 128 >= the largest group: the same quantized operands in shorter buffers (so equal up to summation order),
     # except NVFP4's stochastically rounded wgrad operand, whose random draws depend on the buffer's length.
     (loss, y), (dx, dws) = _grouped(recipe_name, sizes, 256, capacity=128)
@@ -91,7 +104,8 @@ def test_grouped_gemm_dispatch_equals_capacity(recipe_name):
     """Dispatch "grouped" (forward and dgrad as one ragged grouped GEMM each over the sorted rows) against the
     dropless capacity dispatch, with per-group biases, an empty group and rows past the groups: the same quantized
     operands, so the forward and dgrad agree up to the GEMMs' summation order (_close) and the wgrad and bias
-    gradient, made from the same per-group buffers by the same ops, bit for bit; the grouped GEMM target runs."""
+    gradient, made from the same per-group buffers by the same ops, bit for bit on the CPU (_same); the grouped
+    GEMM target runs."""
     rec = recipes.get(recipe_name)
     sizes = jnp.asarray((100, 0, 60, 80))  # 240 of 256 rows: the last 16 belong to no group
     qs = [rec.dense_quantizers(f"moe.experts_{g}.fc1", "grouped_linear") for g in range(4)]
@@ -109,14 +123,14 @@ def test_grouped_gemm_dispatch_equals_capacity(recipe_name):
     assert len(re.findall(r'custom_call_target="jaxhq_gemm_\w*grouped"|@jaxhq_gemm_\w*grouped', hlo)) == 2, hlo
     assert not np.asarray(y)[240:].any() and not np.asarray(dx)[240:].any()
     _close((loss, y, dx), (loss_r, y_r, dx_r))
-    _equal((dws, db), (dws_r, db_r))
+    _same((dws, db), (dws_r, db_r))
 
 
 @needs_grouped_gemms
 def test_grouped_gemm_dispatch_stochastic_wgrad_copies_take_the_capacity_keys():
     """Row-local forward and dgrad copies (MXFP8) with stochastically rounded NVFP4 wgrad copies: the grouped
     dispatch gives each group the keys the capacity dispatch gives it, so with the same buffer length the weight
-    gradient is the same bits; another key changes it."""
+    gradient is the same (bits on the CPU backend: _same); another key changes it."""
     act = jaxhq.Hybrid(jaxhq.MXFP8(), jaxhq.NVFP4(stochastic_rounding=True))
     qs = [recipes.DenseQuantizers(act, jaxhq.MXFP8(), act) for _ in range(3)]
     sizes = jnp.asarray((100, 60, 80))
@@ -127,7 +141,7 @@ def test_grouped_gemm_dispatch_stochastic_wgrad_copies_take_the_capacity_keys():
                                                    dispatch=dispatch) * g)
         return jax.jit(jax.grad(f))(ws)
 
-    _equal(dw("grouped", 7), dw("capacity", 7))
+    _same(dw("grouped", 7), dw("capacity", 7))
     assert not np.array_equal(np.asarray(dw("grouped", 7)), np.asarray(dw("grouped", 8)))
 
 
@@ -158,11 +172,13 @@ def _moe_grads(model, x):
 @pytest.mark.parametrize("recipe_name", RECIPES)
 def test_moe_capacity_equals_replicated(recipe_name):
     """MoE (4 experts, top-2, 128 tokens): dropless capacity (128 rows per expert, not 256) equals the
-    replicated dispatch; NVFP4 (stochastic rounding) with the replicated buffer length, capacity factor 4."""
+    replicated dispatch; NVFP4 (stochastic rounding) with the replicated buffer length, capacity factor 4. Off the
+    CPU backend, within the tolerance of test_moe_grouped_gemm_dispatch_equals_replicated (fc2 quantizes fc1's
+    outputs again, so a last-bit difference may move one code by a step)."""
     x = _normal(3, (2, 64, 64))
     kw = dict(capacity_factor=4.0) if recipe_name == "nvfp4" else {}
     make = lambda **k: MoE(4, 2, 64, recipes.get(recipe_name), activation="gelu", name="moe", **k)  # noqa: E731
-    _equal(_moe_grads(make(**kw), x), _moe_grads(make(dispatch="replicated"), x))
+    _same(_moe_grads(make(**kw), x), _moe_grads(make(dispatch="replicated"), x), rel=2e-2)
 
 
 @needs_grouped_gemms
