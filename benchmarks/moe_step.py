@@ -4,9 +4,10 @@ dispatch, against bf16 with the default dispatch in the same run.
 Dispatches: "capacity" (per-expert buffers; dropless: every expert's buffer holds all the tokens, so every expert
 multiplies all of them), "capacity" with a capacity factor (buffers of factor * top_k * tokens / experts rows,
 overflow dropped), and "grouped" (the sorted token copies through one ragged grouped GEMM per forward and dgrad
-GEMM; fp8_block and mxfp8 only). Each row: median ms of back-to-back jitted steps, its ratio to bf16 dropless, the
-expert GEMMs' useful TFLOP/s (6 x routed tokens x d x d_ff x 2 or 3 GEMMs of fc1 and fc2, counting only the rows
-that are routed), and the compile time. Prints each row as it finishes; JSON to --out.
+GEMM; a recipe it does not take gets the op's refusal as its row's error). Each row: median ms of back-to-back
+jitted steps, its ratio to bf16 dropless, the expert GEMMs' useful TFLOP/s (6 x routed tokens x d x d_ff x 3:
+swiglu's fc1 has 2 d_ff outputs, fc2 d_ff inputs; only the rows that are routed count), and the compile time.
+Prints each row as it finishes; JSON to --out.
 
     python benchmarks/moe_step.py                  # on a GPU: 8 experts, top-2, 8192 tokens, d 2048, d_ff 4096
     python benchmarks/moe_step.py --quick          # a small layer (the CPU default)
@@ -66,8 +67,6 @@ def main():
     rows, base = [], None
     for recipe in a.recipes.split(","):
         for dispatch, factor in (("capacity", None), ("capacity", a.factor), ("grouped", None)):
-            if dispatch == "grouped" and recipe not in ("fp8_block", "mxfp8"):
-                continue
             label = dispatch if factor is None else f"{dispatch} x{factor:g}"
             row = dict(recipe=recipe, dispatch=label)
             try:
