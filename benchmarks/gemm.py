@@ -4,7 +4,8 @@ jax.nn.scaled_matmul (MXFP8, NVFP4), at 8192^3 and the LLM shapes M=16384, (K, N
 jaxhq_mxfp8 is the FP8-wgmma kernel on a Hopper, jaxhq_mxfp8_dq the dequantize + bf16 path; jaxhq_nvfp4 is the
 dequantize + bf16 path, jaxhq_nvfp4_wgmma (Hopper) the codes decoded on chip into fp16 wgmma; the grouped rows
 split M into 8 experts, their weights stacked once outside the timing (ref = the dense kernel of the same
-path; xla_bf16_ragged_dot: XLA's bf16 `lax.ragged_dot`, ref = XLA bf16; FP8 grouped: the default kernel with the group sizes read on the device, CUTLASS's where built; `_wgmma`
+path; xla_bf16_ragged_dot: XLA's bf16 `lax.ragged_dot`, ref = XLA bf16; FP8 grouped: the default kernel with
+the group sizes read on the device, CUTLASS's where built; `_wgmma`
 the hand-written one, `_unpaired` that one without its two-CTA clusters (JAXHQ_WGMMA_CLUSTER=1), `_lt` cuBLASLt
 per group with the sizes read on the host; ref = the dense cuBLASLt kernel; `_fastacc` the per-tensor default
 with fast accumulation, ref = the dense cuBLASLt kernel with it). Every variant of a shape is compiled first, then all are
@@ -120,7 +121,8 @@ def variants(m, k, n, key, xla_scaled=False):
     return v
 
 
-REF = {f"xla_bf16_ragged_dot_grouped{GROUPS}": "xla_bf16", "jaxhq_fp8_tensor": "xla_fp8_dot_general", "jaxhq_fp8_tensor_fastacc": "xla_fp8_dot_general",
+REF = {f"xla_bf16_ragged_dot_grouped{GROUPS}": "xla_bf16",
+       "jaxhq_fp8_tensor": "xla_fp8_dot_general", "jaxhq_fp8_tensor_fastacc": "xla_fp8_dot_general",
        "jaxhq_fp8_block_1d1d": "jaxhq_fp8_block",
        **{f"jaxhq_fp8_{f}_grouped{GROUPS}{s}": f"jaxhq_fp8_{f}" for f in ("tensor", "block")
           for s in ("", "_unpaired", "_lt", "_wgmma")},
