@@ -10,7 +10,8 @@ the hand-written one, `_unpaired` that one without its two-CTA clusters (JAXHQ_W
 per group with the sizes read on the host; ref = the dense cuBLASLt kernel; `_fastacc` the per-tensor default
 with fast accumulation, ref = the dense cuBLASLt kernel with it). Every variant of a shape is compiled first, then all are
 timed in turn for --rounds rounds (median per variant), so clock drift during the run does not favour the first
-rows. jaxhq_fp8_block is 1x128 x 128x128 (forward, dgrad), jaxhq_fp8_block_1d1d 1x128 x 1x128 (wgrad).
+rows. jaxhq_fp8_block is 1x128 x 128x128 (forward, dgrad), jaxhq_fp8_block_1d1d 1x128 x 1x128 (wgrad), and
+its `_segment` row the MoE wgrad: K cut into 8 segments, one [M, N] output each (`segment_gemm`, CUTLASS).
 Each shape's rows are printed as soon as that shape finishes; the JSON is rewritten after every shape.
 
     python benchmarks/gemm.py [--shapes 8192x8192x8192,16384x4096x14336] [--out FILE] [--quick]
@@ -68,8 +69,11 @@ def variants(m, k, n, key, xla_scaled=False):
     ba = _quantizer(Float8Block((1, 128)))(x)
     bb = _quantizer(Float8Block((128, 128)))(w)
     v["jaxhq_fp8_block"] = (jax.jit(lambda a, b: G.fp8_gemm(a, b, jnp.bfloat16)), (ba, bb))
-    v["jaxhq_fp8_block_1d1d"] = (jax.jit(lambda a, b: G.fp8_gemm(a, b, jnp.bfloat16)),  # the wgrad GEMM's scaling
-                                 (ba, _quantizer(Float8Block((1, 128)))(w)))
+    b1d = _quantizer(Float8Block((1, 128)))(w)
+    v["jaxhq_fp8_block_1d1d"] = (jax.jit(lambda a, b: G.fp8_gemm(a, b, jnp.bfloat16)), (ba, b1d))  # wgrad's scaling
+    if k % (GROUPS * 128) == 0:  # the MoE wgrad: K (the tokens) in GROUPS segments, out [GROUPS, M, N]
+        v[f"jaxhq_fp8_block_1d1d_segment{GROUPS}"] = (jax.jit(lambda a, b, s: G.segment_gemm(a, b, s)),
+                                                      (ba, b1d, jnp.full((GROUPS,), k // GROUPS, jnp.int32)))
     if m % GROUPS == 0:  # MoE: GROUPS experts of m / GROUPS rows each, same FLOPs as the dense GEMM
         sizes = jnp.full((GROUPS,), m // GROUPS, jnp.int32)
         for fmt, qa_, label in ((Float8CurrentScaling("e4m3"), qa, "tensor"), (Float8Block((128, 128)), ba, "block")):
@@ -123,7 +127,7 @@ def variants(m, k, n, key, xla_scaled=False):
 
 REF = {f"xla_bf16_ragged_dot_grouped{GROUPS}": "xla_bf16",
        "jaxhq_fp8_tensor": "xla_fp8_dot_general", "jaxhq_fp8_tensor_fastacc": "xla_fp8_dot_general",
-       "jaxhq_fp8_block_1d1d": "jaxhq_fp8_block",
+       "jaxhq_fp8_block_1d1d": "jaxhq_fp8_block", f"jaxhq_fp8_block_1d1d_segment{GROUPS}": "jaxhq_fp8_block_1d1d",
        **{f"jaxhq_fp8_{f}_grouped{GROUPS}{s}": f"jaxhq_fp8_{f}" for f in ("tensor", "block")
           for s in ("", "_unpaired", "_lt", "_wgmma")},
        f"jaxhq_fp8_tensor_grouped{GROUPS}_fastacc": "jaxhq_fp8_tensor_fastacc",

@@ -4,7 +4,8 @@ dispatch, against bf16 with the default dispatch in the same run.
 Dispatches: "capacity" (per-expert buffers; dropless: every expert's buffer holds all the tokens, so every expert
 multiplies all of them), "capacity" with a capacity factor (buffers of factor * top_k * tokens / experts rows,
 overflow dropped), and "grouped" (the sorted token copies through one ragged grouped GEMM per forward and dgrad
-GEMM; a recipe it does not take gets the op's refusal as its row's error). Each row: median ms of back-to-back
+GEMM, the wgrad one GEMM grouped along the tokens; a recipe it does not take gets the op's refusal as its row's
+error). Each row: median ms of back-to-back
 jitted steps, its ratio to bf16 dropless, the expert GEMMs' useful TFLOP/s (6 x routed tokens x d x d_ff x 3:
 swiglu's fc1 has 2 d_ff outputs, fc2 d_ff inputs; only the rows that are routed count), and the compile time.
 Prints each row as it finishes; JSON to --out.

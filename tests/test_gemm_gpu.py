@@ -690,6 +690,41 @@ def test_cutlass_grouped_in_cuda_graphs(case):
                                       err_msg=f"{case} seed={seed}: the step's first call differs from a lone call")
 
 
+SEGMENT_SIZES = [[100, 0, 300, 128, 1], [0, 0], [1000], [600, 700]]  # ragged, empty, one, past T (clamped)
+
+
+@pytest.mark.parametrize("sizes", SEGMENT_SIZES, ids=["ragged", "empty", "one", "clamped"])
+@pytest.mark.parametrize("fmt", ["block", "mxfp8"])
+def test_segment_gemm(fmt, sizes):
+    """The MoE wgrad grouped along K (segment_gemm, CUTLASS, segments read on the device) against float64:
+    out[g] = A[:, seg g] @ B[:, seg g].T over consecutive segments of the sizes rounded up to 128 columns and
+    clamped to T, zeros for an empty one; FP8 with 1x128 blocks along T on both operands, or decoded MXFP8 copies
+    (bf16 values, a bf16 kernel); M = 1000 (a partial tile row), N = 1064 (a partial tile column), T = 1152."""
+    _cutlass_only()
+    if G.CUTLASS_KGROUPED not in G._cuda_targets():
+        pytest.skip("the extension was built without CUTLASS's grouped-along-K kernel")
+    rng, seed = _rng()
+    m, n, t = 1000, 1064, 1152
+    q, dec = (Float8Block((1, 128)), ()) if fmt == "block" else (MXFP8("e4m3"), ("rowwise",))
+    a = quantize(jnp.asarray(rng.standard_normal((m, t)) * rng.uniform(0.5, 4), jnp.float32), q, "rowwise",
+                 decoded=dec).rowwise
+    b = quantize(jnp.asarray(rng.standard_normal((n, t)) * 1e-2, jnp.float32), q, "rowwise", decoded=dec).rowwise
+    assert a.decoded == (fmt == "mxfp8"), "the MXFP8 case needs decoded copies (the kernels' path)"
+    seg = jnp.asarray(sizes, jnp.int32)
+    fn = jax.jit(lambda a, b, seg: G.segment_gemm(a, b, seg))
+    assert G.CUTLASS_KGROUPED in fn.lower(a, b, seg).as_text()
+    out = np.asarray(_poisoned_call(fn, a, b, seg, shape=(len(sizes), m, n), dtype=jnp.bfloat16), np.float64)
+    av, bv, start = _dequant64(a), _dequant64(b), 0
+    for g, size in enumerate(sizes):
+        cols = slice(start, min(start + -(-size // 128) * 128, t))
+        if cols.stop <= cols.start:
+            assert (out[g] == 0).all(), f"group {g} (empty segment) must be zero, seed={seed}"
+        else:
+            _check(out[g], av[:, cols] @ bv[:, cols].T, jnp.bfloat16,
+                   f"segment gemm {fmt} {sizes} group {g} seed={seed}")
+        start = max(start, cols.stop)
+
+
 def _wgmma_grouped_case(recipe, sizes, accumulate):
     _hopper_only()
     qa, qb, target = WGMMA_GROUPED[recipe]

@@ -98,32 +98,69 @@ needs_grouped_gemms = pytest.mark.skipif(not _grouped_gemms_built(),
                                          reason="jaxhq FFI extension not built: no grouped GEMM target to call")
 
 
+def _row_grouped_calls(hlo):
+    """The grouped GEMM calls along rows (forward, dgrad) in a lowered program's text, not the wgrad's along K."""
+    return re.findall(r'custom_call_target="jaxhq_gemm_\w*(?<!k)grouped"|@jaxhq_gemm_\w*(?<!k)grouped\b', hlo)
+
+
 @needs_grouped_gemms
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("recipe_name", GROUPED_RECIPES)
-def test_grouped_gemm_dispatch_equals_capacity(recipe_name):
-    """Dispatch "grouped" (forward and dgrad as one ragged grouped GEMM each over the sorted rows) against the
-    dropless capacity dispatch, with per-group biases, an empty group and rows past the groups: the same quantized
-    operands, so the forward and dgrad agree up to the GEMMs' summation order (_close) and the wgrad and bias
-    gradient, made from the same per-group buffers by the same ops, bit for bit on the CPU (_same); the grouped
-    GEMM target runs."""
+def test_grouped_gemm_dispatch_equals_capacity(recipe_name, dtype):
+    """Dispatch "grouped" (forward and dgrad as one ragged grouped GEMM each over the sorted rows, the wgrad over
+    each group's segment of the token axis) against the dropless capacity dispatch, with per-group biases, an
+    empty group and rows past the groups: the same quantized operands (test_segment_copies_are_the_group_copies),
+    so everything agrees up to the GEMMs' and sums' order (_close; in bf16 up to one rounding of each output,
+    2^-8 of its magnitude, so 1e-2 of the largest, where a dispatch bug moves rows: O(1)); the grouped GEMM
+    targets run, and for bf16 on a Hopper with CUTLASS the wgrad is the one GEMM grouped along K (FP8 blockwise,
+    or bf16 on MXFP8's decoded copies; its kernels write bf16, float32 wgrads take the per-group GEMMs)."""
     rec = recipes.get(recipe_name)
     sizes = jnp.asarray((100, 0, 60, 80))  # 240 of 256 rows: the last 16 belong to no group
     qs = [rec.dense_quantizers(f"moe.experts_{g}.fc1", "grouped_linear") for g in range(4)]
-    x, ws, b, g = _normal(0, (256, 64)), _normal(1, (4, 64, 96)), _normal(3, (4, 96)), _normal(2, (256, 96))
+    x, ws, b, g = (_normal(i, s).astype(dtype) for i, s in ((0, (256, 64)), (1, (4, 64, 96)), (3, (4, 96)),
+                                                            (2, (256, 96))))
 
     def run(dispatch):
         def loss(x, ws, b):
             y = jaxhq.grouped_dense(x, ws, sizes, quantizers=qs, biases=b, dispatch=dispatch)
-            return jnp.sum(y * g), y
+            return jnp.sum(y.astype(jnp.float32) * g), y
         fn = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
         return fn(x, ws, b), fn.lower(x, ws, b).as_text()
 
     ((loss, y), (dx, dws, db)), hlo = run("grouped")
     ((loss_r, y_r), (dx_r, dws_r, db_r)), _ = run("capacity")
-    assert len(re.findall(r'custom_call_target="jaxhq_gemm_\w*grouped"|@jaxhq_gemm_\w*grouped', hlo)) == 2, hlo
+    assert len(_row_grouped_calls(hlo)) == 2, hlo
+    from jaxhq.ffi import gemm as G
+    if dtype == jnp.bfloat16 and G.CUTLASS_KGROUPED in G._cuda_targets() and G._hopper():
+        assert hlo.count(G.CUTLASS_KGROUPED) >= 1, hlo
     assert not np.asarray(y)[240:].any() and not np.asarray(dx)[240:].any()
-    _close((loss, y, dx), (loss_r, y_r, dx_r))
-    _same((dws, db), (dws_r, db_r))
+    _close((loss, y, dx, dws, db), (loss_r, y_r, dx_r, dws_r, db_r), rel=4e-5 if dtype == jnp.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("recipe_name", GROUPED_RECIPES)
+def test_segment_copies_are_the_group_copies(recipe_name):
+    """The wgrad's copies of dispatch "grouped": the columnwise copy of the segment-laid-out rows (to_segments:
+    each group from a 128-row boundary) holds, in each group's segment, bit for bit the codes and scales of the
+    columnwise copy of that group's dropless buffer (what the capacity dispatch multiplies); its blocks along the
+    tokens never mix two groups. Sizes: ragged, empty and a whole block."""
+    from jaxhq.formats import quantize
+    from jaxhq.ops.grouped import to_experts, to_segments
+    q = recipes.get(recipe_name).dense_quantizers("moe.experts_0.fc1", "grouped_linear").input
+    x = _normal(0, (300, 64)) * 3
+    sizes = jnp.asarray((100, 0, 128, 60))
+    xp, seg = to_segments(x, sizes)
+    assert np.asarray(seg).tolist() == [128, 0, 128, 128] and xp.shape[0] % 128 == 0
+    whole = quantize(xp, q, "columnwise").columnwise
+    block = whole.data.shape[1] // whole.scale_inv.shape[1]  # tokens per scale
+    start = 0
+    for g, s in enumerate(np.asarray(seg)):
+        own = quantize(to_experts(x, sizes, 128)[g], q, "columnwise").columnwise  # [64, 128]
+        cols = slice(start, start + s)
+        np.testing.assert_array_equal(np.asarray(whole.data[:, cols], np.float32)[:, :s],
+                                      np.asarray(own.data, np.float32)[:, :s])
+        np.testing.assert_array_equal(np.asarray(whole.scale_inv)[:, start // block:(start + s) // block],
+                                      np.asarray(own.scale_inv)[:, :s // block])
+        start += s
 
 
 @needs_grouped_gemms
@@ -195,7 +232,7 @@ def test_moe_grouped_gemm_dispatch_equals_replicated(recipe_name):
     model = make(dispatch="grouped")
     params = model.init(jax.random.key(1), x)
     hlo = jax.jit(model.apply).lower(params, x).as_text()
-    assert len(re.findall(r'custom_call_target="jaxhq_gemm_\w*grouped"|@jaxhq_gemm_\w*grouped', hlo)) == 2
+    assert len(_row_grouped_calls(hlo)) == 2
     with pytest.raises(ValueError, match="drops no tokens"):
         make(dispatch="grouped", capacity_factor=1.25).init(jax.random.key(1), x)
 
@@ -210,7 +247,7 @@ def test_transformer_layer_passes_the_moe_dispatch():
                                       name="layers_0")
     model = make("grouped")
     hlo = jax.jit(model.apply).lower(model.init(jax.random.key(1), x), x).as_text()
-    assert len(re.findall(r'custom_call_target="jaxhq_gemm_\w*grouped"|@jaxhq_gemm_\w*grouped', hlo)) == 2
+    assert len(_row_grouped_calls(hlo)) == 2
     _close(_moe_grads(model, x), _moe_grads(make("replicated"), x), rel=2e-2)
 
 

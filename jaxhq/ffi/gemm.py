@@ -6,7 +6,8 @@ runs a cuBLASLt bf16 GEMM (the NVFP4 global scales as a device-side alpha), or, 
 runs MXFP8 on FP8 tensor cores (the 1x32 scales applied in FP32 registers per K step) and NVFP4 on fp16 tensor
 cores with the codes decoded in shared memory (no bf16 copy in HBM). Each takes
 an optional bias [N] and an optional `accumulate` array [M, N] that the result is added into (aliased, for
-wgrad accumulation). `grouped_gemm` runs the ragged MoE version of either in one FFI call.
+wgrad accumulation). `grouped_gemm` runs the ragged MoE version of either in one FFI call, `segment_gemm` the
+MoE wgrad (grouped along K).
 This module does not know the dispatch table: `jaxhq.ops.gemm` imports it and registers these kernels
 (the dependency runs one way). Operands a kernel cannot take raise `GemmUnsupported`. See docs/gemm.md.
 """
@@ -27,6 +28,7 @@ KERNELS = ("auto", "wgmma", "dequantize")  # the MXFP8 / NVFP4 kernel choices of
 FP8_GROUPED_KERNELS = ("auto", "wgmma", "cublaslt", "cutlass")  # grouped_gemm's choices for per-tensor / blockwise FP8
 FP8_WGMMA_GROUPED = "jaxhq_gemm_fp8_wgmma_grouped"
 FP8_CUTLASS_GROUPED = "jaxhq_gemm_fp8_cutlass_grouped"
+CUTLASS_KGROUPED = "jaxhq_gemm_cutlass_kgrouped"
 MODE_TENSOR, MODE_VEC128, MODE_BLK128 = 0, 1, 2
 FMT_MX_E4M3, FMT_MX_E5M2, FMT_NVFP4 = 1, 2, 3
 # cuBLASLt's block-scale layout: 1x128 scales M-major [K/128, roundup(M, 4)], 128x128 scales K-major
@@ -442,6 +444,44 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
     return call(_u8(a.data), _u8(a.scale_inv), amax_a, _u8(stacked.data), _u8(stacked.scale_inv), amax_b, sizes,
                 bias_, c, fmt_a=np.int32(fa), fmt_b=np.int32(fb), k=np.int64(k),
                 accumulate=np.int32(accumulate is not None))
+
+
+def segment_gemm(a: Storage, b: Storage, segment_sizes, out_dtype=jnp.bfloat16):
+    """out[g] = A[:, seg g] @ B[:, seg g].T: a GEMM grouped along K, for A [M, K] and B [N, K] whose K axis is cut
+    into consecutive segments, segment g segment_sizes[g] rounded up to a multiple of 128 long (clamped to K),
+    read on the device; [G, M, N], zeros for an empty segment. The wgrad of the grouped MoE dispatch: A and B
+    are the columnwise copies of the sorted inputs and gradients, each group's rows padded to whole 128-row
+    blocks, and K their tokens. FP8 with 1x128 blocks along K on both operands (E4M3), or two decoded MXFP8
+    copies (their bf16 values: a bf16 GEMM, as the dequantize path runs); K % 128 == 0, N % 8 == 0, bf16 out, on
+    a Hopper with CUTLASS's kernels (fp8_cutlass_grouped.h); GemmUnsupported otherwise."""
+    name = "segment GEMM"
+    (m, k), (n, kb) = a.shape, b.shape
+    block = [s.quantizer.name == "fp8_block" and _fp8_mode(s, name) == MODE_VEC128 and not s.transposed
+             and s.data.dtype == jnp.float8_e4m3fn for s in (a, b)]
+    decoded = [s.quantizer.name == "mxfp8" and s.decoded and not s.transposed for s in (a, b)]
+    why = ("no CUDA GPU" if jax.default_backend() not in ("gpu", "cuda")
+           else "the extension was built without CUTLASS" if CUTLASS_KGROUPED not in _cuda_targets()
+           else "the GPU is not a Hopper (sm_90a)" if not _hopper()
+           else f"{a.format} x {b.format} (E4M3 with 1x128 blocks, or decoded MXFP8, on both operands only)"
+           if not (all(block) or all(decoded))
+           else f"K differs: A {a.shape}, B {b.shape}" if k != kb
+           else f"K = {k} is not a multiple of 128" if k % 128 else f"N = {n} is not a multiple of 8" if n % 8
+           else f"{jnp.dtype(out_dtype).name} output (bf16 only)" if jnp.dtype(out_dtype) != jnp.bfloat16
+           else "")
+    if why:
+        raise GemmUnsupported(f"{name}: {why}")
+    sizes = jnp.asarray(segment_sizes, jnp.int32).reshape(-1)
+    g = sizes.shape[0]
+    if g > 1024:
+        raise GemmUnsupported(f"{name}: {g} groups (at most 1024)")
+    from . import load
+    bf16 = all(decoded)
+    ws = int(load().cutlass_kgrouped_workspace_bytes(g, m, n, k, bf16))
+    call = jax.ffi.ffi_call(CUTLASS_KGROUPED, (jax.ShapeDtypeStruct((g, m, n), jnp.bfloat16), _workspace(ws)),
+                            vmap_method="sequential")
+    scales = (_empty(jnp.float32),) * 2 if bf16 else (jnp.asarray(a.scale_inv, jnp.float32),
+                                                     jnp.asarray(b.scale_inv, jnp.float32))
+    return call(a.data, scales[0], b.data, scales[1], sizes)[0]
 
 
 def stack_storages(bs, name: str = "stack_storages") -> Storage:

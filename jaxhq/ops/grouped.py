@@ -17,9 +17,14 @@ jaxhq/sharding/experts.py). This is the exact reference.
 FP8 calls run CUTLASS's grouped kernel and read the group sizes on the device, MXFP8's dequantize path reads them
 on the host), for quantizers whose forward and dgrad copies are row-local (rowwise MXFP8 or 1x128 blocks), so
 that quantizing all rows at once gives each row the bits its group alone would give it. The wgrad contracts over
-each group's rows: its columnwise copies (blocks along the tokens, per group) come from dropless capacity
-buffers as above, with the capacity dispatch's keys. It needs one stacked kernel, the same quantizers for every
-group, no delayed-scaling state and no expert sharding; otherwise it says which.
+each group's rows. Where the columnwise copies are block-local along the tokens too (MXFP8, 1x128 blocks), the
+sorted rows are laid out in segments of whole 128-row blocks (`to_segments`: no block mixes two groups), each
+operand is quantized once, and one GEMM grouped along the tokens multiplies each group's segment only
+(jaxhq.ffi.gemm.segment_gemm on a Hopper: 1x128 FP8, or MXFP8's decoded copies in bf16; for float32 outputs and
+elsewhere one GEMM per group with the other segments' tokens zeroed). Other columnwise
+copies (per-tensor scales, stochastic rounding) come from dropless capacity buffers as above, with the capacity
+dispatch's keys. It needs one stacked kernel, the same quantizers for every group, no delayed-scaling state and
+no expert sharding; otherwise it says which.
 """
 from __future__ import annotations
 
@@ -78,6 +83,22 @@ def group_of_rows(group_sizes, rows: int):
     """The group of each of `rows` sorted rows (the last group for rows past all of them)."""
     sizes = jnp.asarray(group_sizes, jnp.int32)
     return jnp.clip(jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(rows), side="right"), 0, sizes.shape[0] - 1)
+
+
+def to_segments(x, group_sizes):
+    """x [T, K] sorted by group -> (xp [P, K], segment sizes [G]): group g's rows from the start of its segment,
+    each segment the group's size (clamped to the rows there are) rounded up to whole ROW_BLOCK-row blocks, zeros
+    after its rows and past the last segment; P = round_rows(T + G * (ROW_BLOCK - 1)) holds any sizes."""
+    rows, num = x.shape[0], jnp.shape(group_sizes)[0]
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(jnp.asarray(group_sizes, jnp.int32), 0)), rows)
+    sizes = jnp.diff(ends, prepend=0)
+    seg = -(-sizes // ROW_BLOCK) * ROW_BLOCK
+    seg_ends = jnp.cumsum(seg)
+    r = jnp.arange(round_rows(rows + num * (ROW_BLOCK - 1)))
+    g = jnp.clip(jnp.searchsorted(seg_ends, r, side="right"), 0, num - 1)
+    pos = r - (seg_ends - seg)[g]
+    src = jnp.clip(ends[g] - sizes[g] + pos, 0, rows - 1)
+    return jnp.where((pos < sizes[g])[:, None], x[src], jnp.zeros((), x.dtype)), seg
 
 
 def from_experts(ys, group_sizes, rows: int):
@@ -260,6 +281,13 @@ def _grouped_bwd(qs, res, dy):
     x, w_col, sizes, keys, (k_dtype, b_dtype) = res
     qdy = _quantize(dy, qs, "grad_output", (ROWWISE,), None, None)
     dx = _grouped_call(qdy.rowwise, w_col, sizes, x.dtype, qs, "dgrad", "grad_output")
+    if _row_local(qs.input, COLUMNWISE) and _row_local(qs.grad_output, COLUMNWISE):
+        dw = _segment_wgrad(x, dy, sizes, qs).astype(k_dtype)
+        live = (jnp.arange(x.shape[0]) < jnp.sum(sizes))[:, None]
+        db = None if b_dtype is None else jax.ops.segment_sum(
+            jnp.where(live, dy.astype(jnp.float32), 0.0), group_of_rows(sizes, x.shape[0]),
+            num_segments=sizes.shape[0]).astype(b_dtype)
+        return dx, dw, db, None, None
     # wgrad: each group's rows in a dropless buffer, its columnwise copies per group, as the dense op makes them
     cap = round_rows(x.shape[0])
     xs, dys = to_experts(x, sizes, cap), to_experts(dy, sizes, cap)
@@ -274,6 +302,33 @@ def _grouped_bwd(qs, res, dy):
     dw = jax.vmap(wgrad, in_axes=(0, 0, None if keys is None else 0))(xs, dys, keys).astype(k_dtype)
     db = None if b_dtype is None else jnp.sum(dys.astype(jnp.float32), axis=1).astype(b_dtype)
     return dx, dw, db, None, None
+
+
+def _segment_wgrad(x, dy, sizes, qs):
+    """dw[g] = x_g.T @ dy_g over each group's rows, from one quantization of the segment-laid-out x and dy (their
+    columnwise copies are block-local along the tokens, so each group's blocks hold its rows alone, as in its
+    dropless buffer): one GEMM grouped along the tokens where a kernel takes the pair, else per group the GEMM of
+    the copies with the other segments' columns zeroed."""
+    from ..ffi.gemm import GemmUnsupported, segment_gemm
+    xp, seg = to_segments(x, sizes)
+    dyp, _ = to_segments(dy, sizes)
+    # decoded where the GEMMs dequantize (MXFP8 on a Hopper): the masked GEMMs then read values
+    a = _quantize(xp, qs, "input", (COLUMNWISE,), None, None, decoded=(COLUMNWISE,)).columnwise
+    b = _quantize(dyp, qs, "grad_output", (COLUMNWISE,), None, None, decoded=(COLUMNWISE,)).columnwise
+    try:
+        return segment_gemm(a, b, seg, x.dtype)
+    except GemmUnsupported:
+        pass
+    ends = jnp.cumsum(seg)
+    cols = jnp.arange(a.data.shape[1])
+
+    def one(start, end):  # A with the columns (tokens) outside [start, end) zeroed: those products add 0
+        keep = ((cols >= start) & (cols < end))[None, :]
+        am = dataclasses.replace(a, data=jnp.where(keep, a.data, jnp.zeros((), a.data.dtype)))
+        return gemm(am, b, out_dtype=x.dtype, name="wgrad", roles=(qs.role("input"), qs.role("grad_output")),
+                    fallback=qs.allow_dequantized_fallback)
+
+    return jax.vmap(one)(ends - seg, ends)
 
 
 _grouped_gemm_op.defvjp(_grouped_fwd, _grouped_bwd)

@@ -54,6 +54,12 @@ NB_MODULE(_jaxhq_ffi, m) {
           p.a_e5m2 = a_e5m2, p.fast_accum = fast_accum, p.blockwise = blockwise;
           return jaxhq::gemm::cutlass_grouped_workspace_bytes(p);
         });
+  // the workspace result of jaxhq_gemm_cutlass_kgrouped (grouped along K, the MoE wgrad)
+  m.def("cutlass_kgrouped_workspace_bytes", [](int64_t groups, int64_t m, int64_t n, int64_t t, bool bf16) {
+    jaxhq::gemm::CutlassKGrouped p{};
+    p.groups = groups, p.m = m, p.n = n, p.t = t, p.bf16 = bf16;
+    return jaxhq::gemm::cutlass_kgrouped_workspace_bytes(p);
+  });
 #endif
 #ifdef JAXHQ_WITH_CUDA
   m.attr("cuda_built") = true;

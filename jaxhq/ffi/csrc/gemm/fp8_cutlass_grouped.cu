@@ -2,7 +2,9 @@
 // problem read on the device: a one-block prologue turns the device-side group sizes into CUTLASS's per-group
 // problem shapes, operand pointers, strides and alphas (sa * sb[g]; blockwise: scale pointers) in the call's
 // workspace, and the persistent kernel's group scheduler walks them there. No host synchronisation and no
-// host-side per-group loop, so the call is recorded into CUDA graphs like the dense GEMMs.
+// host-side per-group loop, so the call is recorded into CUDA graphs like the dense GEMMs. Two groupings: along
+// the rows of A (the forward and dgrad of MoE: each group's rows times its own weight) and along K (the wgrad:
+// each group's segment of the token axis, out[g] = A[:, seg] @ B[:, seg]^T).
 #include "fp8_cutlass_grouped.h"
 
 #include <algorithm>
@@ -25,11 +27,11 @@ using namespace cute;
 using Shape3 = Shape<int, int, int>;
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape3>;
 
-// A kernel's configuration: its tile (M x N, 128-wide K steps), cluster and schedule (cooperative: two consumer
-// warpgroups split the tile's rows).
-template <int M, int N, int CM, int CN, typename S>
+// A kernel's configuration: its tile (M x N, K-wide steps: 128 for FP8), cluster and schedule (cooperative: two
+// consumer warpgroups split the tile's rows).
+template <int M, int N, int CM, int CN, typename S, int K = 128>
 struct Cfg {
-  using TileShape = Shape<Int<M>, Int<N>, _128>;
+  using TileShape = Shape<Int<M>, Int<N>, Int<K>>;
   using ClusterShape = Shape<Int<CM>, Int<CN>, _1>;
   using Schedule = S;
 };
@@ -42,20 +44,24 @@ struct Cfg {
 using Promoted = Cfg<128, 192, 1, 1, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
 using Fast = Cfg<128, 256, 2, 1, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum>;
 using Blockwise = Cfg<128, 128, 2, 1, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
+// bf16 operands (the MXFP8 wgrad's decoded copies): 128 x 256 tiles, 64-wide K steps, clusters of two along M.
+using Bf16 = Cfg<128, 256, 2, 1, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative, 64>;
 
-template <typename TA, typename TB, typename TOut, typename C>
+// SFN: the columns of B (rows of the [N, K] operand) one blockwise scale covers: 128 (a 128x128 weight block) or
+// 1 (1x128 blocks of an activation or gradient, the wgrad's B).
+template <typename TA, typename TB, typename TOut, typename C, int SFN = 128>
 struct Kernel {
   static constexpr bool kBlockwise = cute::is_same_v<C, Blockwise>;
   using LayoutA = cutlass::layout::RowMajor;     // A [T, K]
   using LayoutB = cutlass::layout::ColumnMajor;  // B [N, K] read as K x N
   using LayoutD = cutlass::layout::RowMajor;     // out [T, N]
-  // blockwise scales, M- (N-) major: A's [ceil(K/128)][rows], B's [ceil(K/128)][ceil(N/128)] per group
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128>;
+  // blockwise scales, M- (N-) major: A's [ceil(K/128)][rows], B's [ceil(K/128)][ceil(N/SFN)] per group
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, SFN, 128>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   using OperandA = cute::conditional_t<kBlockwise, cute::tuple<LayoutA*, LayoutSFA*>, LayoutA*>;
   using OperandB = cute::conditional_t<kBlockwise, cute::tuple<LayoutB*, LayoutSFB*>, LayoutB*>;
-  static constexpr int kAlignAB = 16, kAlignD = 16 / sizeof(TOut);
+  static constexpr int kAlignAB = 16 / sizeof(TA), kAlignD = 16 / sizeof(TOut);
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename C::TileShape, typename C::ClusterShape,
@@ -95,11 +101,12 @@ struct Tables {
   const float** sfb;
   typename K::LayoutSFA* layout_sfa;
   typename K::LayoutSFB* layout_sfb;
-  float* scales_a;  // blockwise: per group [ceil(k/128)][its rows], at ceil(k/128) * its first row
-  float* scales_b;  // blockwise: [groups][ceil(k/128)][ceil(n/128)]
+  float* scales_a;  // blockwise, M- (N-) major as the kernel reads them (see the prologues)
+  float* scales_b;
   size_t bytes;
 
-  Tables(void* base, int64_t groups, int64_t t, int64_t n, int64_t k) {
+  // count_a, count_b: the floats of the re-laid-out blockwise scales (0 for per-tensor kernels)
+  Tables(void* base, int64_t groups, int64_t count_a, int64_t count_b) {
     char* p = static_cast<char*>(base);
     size_t at = 0;
     auto take = [&](auto*& field, size_t each, int64_t count) {
@@ -114,16 +121,23 @@ struct Tables {
     take(sb, sizeof(typename K::StrideB), groups);
     take(sd, sizeof(typename K::StrideD), groups);
     take(alpha, sizeof(float), groups);
-    const int64_t blk = K::kBlockwise ? 1 : 0, kb = cdiv(k, 128);
+    const int64_t blk = K::kBlockwise ? 1 : 0;
     take(sfa, sizeof(void*), blk * groups);
     take(sfb, sizeof(void*), blk * groups);
     take(layout_sfa, sizeof(typename K::LayoutSFA), blk * groups);
     take(layout_sfb, sizeof(typename K::LayoutSFB), blk * groups);
-    take(scales_a, sizeof(float), blk * kb * t);
-    take(scales_b, sizeof(float), blk * groups * kb * cdiv(n, 128));
+    take(scales_a, sizeof(float), blk * count_a);
+    take(scales_b, sizeof(float), blk * count_b);
     bytes = at;
   }
 };
+
+// Row grouping: A's scales of group g at ceil(k/128) * its first row ([kb][its rows]), B's [groups][kb][nb].
+template <typename K>
+Tables<K> row_tables(void* base, const CutlassGrouped& p) {
+  const int64_t kb = cdiv(p.k, 128);
+  return Tables<K>(base, p.groups, kb * p.t, p.groups * kb * cdiv(p.n, 128));
+}
 
 __device__ __forceinline__ int64_t clamp_rows(int32_t size, int64_t left) {
   return size < 0 ? 0 : (int64_t(size) < left ? int64_t(size) : left);
@@ -226,17 +240,38 @@ typename K::Gemm::Arguments arguments(const Tables<K>& tab, int64_t groups, bool
 
 template <typename K>
 size_t workspace_bytes_of(const CutlassGrouped& p) {
-  Tables<K> tab(nullptr, p.groups, p.t, p.n, p.k);
+  Tables<K> tab = row_tables<K>(nullptr, p);
   return tab.bytes + K::Gemm::get_workspace_size(arguments<K>(tab, p.groups, false));
+}
+
+// The workspace check and CUTLASS's launch, once the prologue has written the tables.
+template <typename K>
+std::string launch(const Tables<K>& tab, const typename K::Gemm::Arguments& args, void* workspace,
+                   int64_t workspace_bytes, cudaStream_t s) {
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return std::string("prologue: ") + cudaGetErrorString(e);
+  typename K::Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return "CUTLASS cannot implement this problem";
+  void* ws = static_cast<char*>(workspace) + tab.bytes;
+  if (cutlass::Status st = gemm.initialize(args, ws, s); st != cutlass::Status::kSuccess)
+    return std::string("CUTLASS initialize: ") + cutlassGetStatusString(st);
+  if (cutlass::Status st = gemm.run(s); st != cutlass::Status::kSuccess)
+    return std::string("CUTLASS run: ") + cutlassGetStatusString(st);
+  return "";
+}
+
+template <typename K>
+std::string enough(const Tables<K>& tab, const typename K::Gemm::Arguments& args, int64_t workspace_bytes) {
+  const size_t need = tab.bytes + K::Gemm::get_workspace_size(args);
+  return size_t(workspace_bytes) < need
+             ? "workspace of " + std::to_string(workspace_bytes) + " bytes, needs " + std::to_string(need)
+             : "";
 }
 
 template <typename K>
 std::string run(const CutlassGrouped& p, cudaStream_t s) {
-  Tables<K> tab(p.workspace, p.groups, p.t, p.n, p.k);
+  Tables<K> tab = row_tables<K>(p.workspace, p);
   auto args = arguments<K>(tab, p.groups, p.accumulate);
-  const size_t need = tab.bytes + K::Gemm::get_workspace_size(args);
-  if (size_t(p.workspace_bytes) < need)
-    return "workspace of " + std::to_string(p.workspace_bytes) + " bytes, needs " + std::to_string(need);
+  if (std::string e = enough(tab, args, p.workspace_bytes); !e.empty()) return e;
   if constexpr (K::kBlockwise) {
     const int64_t kb = cdiv(p.k, 128), nb = cdiv(p.n, 128);
     const dim3 grid(unsigned(std::min<int64_t>(cdiv(kb * std::max(p.t / p.groups, p.groups * nb), 256), 256)),
@@ -246,15 +281,110 @@ std::string run(const CutlassGrouped& p, cudaStream_t s) {
   }
   prologue_kernel<K><<<1, int(std::min<int64_t>(p.groups, 1024)), 0, s>>>(
       tab, p.group_sizes, int(p.groups), p.t, int(p.n), int(p.k), p.a, p.b, p.out, p.scale_a, p.scale_b);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return std::string("prologue: ") + cudaGetErrorString(e);
-  typename K::Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return "CUTLASS cannot implement this problem";
-  void* ws = static_cast<char*>(p.workspace) + tab.bytes;
-  if (cutlass::Status st = gemm.initialize(args, ws, s); st != cutlass::Status::kSuccess)
-    return std::string("CUTLASS initialize: ") + cutlassGetStatusString(st);
-  if (cutlass::Status st = gemm.run(s); st != cutlass::Status::kSuccess)
-    return std::string("CUTLASS run: ") + cutlassGetStatusString(st);
-  return "";
+  return launch(tab, args, p.workspace, p.workspace_bytes, s);
+}
+
+// ---- Grouped along K (the MoE wgrad): out[g] = A[:, seg g] @ B[:, seg g]^T, A [m, t] and B [n, t] FP8 with
+// 1x128 blocks along t on both (or bf16 values, no scales), consecutive segments of the sizes rounded up to 128
+// (each segment whole blocks).
+using KGroupedFp8 = Kernel<cutlass::float_e4m3_t, cutlass::float_e4m3_t, cutlass::bfloat16_t, Blockwise, 1>;
+using KGroupedBf16 = Kernel<cutlass::bfloat16_t, cutlass::bfloat16_t, cutlass::bfloat16_t, Bf16>;
+
+// A segment's length: its size rounded up to whole 128-blocks, clamped to the `left` columns (a multiple of 128).
+__device__ __forceinline__ int64_t segment_cols(int32_t size, int64_t left) {
+  const int64_t r = size <= 0 ? 0 : cdiv(size, 128) * 128;
+  return r < left ? r : left;
+}
+
+__device__ __forceinline__ void segment_of(const int32_t* __restrict__ sizes, int g, int64_t t, int64_t* start,
+                                           int64_t* cols) {
+  int64_t at = 0;
+  for (int i = 0; i < g; ++i) at += segment_cols(sizes[i], t - at);
+  *start = at;
+  *cols = segment_cols(sizes[g], t - at);
+}
+
+// Both operands' scales from [rows][t/128] to [t/128][rows]: every segment's scales then sit compact, M- (N-)
+// major, at (its first column / 128) * rows, as the kernel reads them.
+__global__ void scales_transposed_kernel(const float* __restrict__ sa, int64_t m, const float* __restrict__ sb,
+                                         int64_t n, int64_t kb, float* out_a, float* out_b) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < kb * (m + n); i += stride) {
+    if (i < kb * m) out_a[i] = sa[(i % m) * kb + i / m];
+    else {
+      const int64_t j = i - kb * m;
+      out_b[j] = sb[(j % n) * kb + j / n];
+    }
+  }
+}
+
+template <typename K>
+__global__ void kgrouped_prologue_kernel(Tables<K> tab, const int32_t* __restrict__ sizes, int groups, int64_t t,
+                                         int m, int n, const void* a, const void* b, void* out) {
+  for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+    int64_t start, cols;
+    segment_of(sizes, g, t, &start, &cols);
+    const int k = cols ? int(cols) : 128;  // an empty segment: no rows, so no tiles (zero_empty_segments writes 0)
+    tab.shapes[g] = Shape3{cols ? m : 0, n, k};
+    tab.a[g] = static_cast<const typename K::Gemm::ElementA*>(a) + start;
+    tab.b[g] = static_cast<const typename K::Gemm::ElementB*>(b) + start;
+    tab.d[g] = static_cast<typename K::Gemm::ElementD*>(out) + int64_t(g) * m * n;
+    typename K::StrideA sta{};
+    typename K::StrideB stb{};
+    typename K::StrideD std_{};
+    get<0>(sta) = t, get<0>(stb) = t, get<0>(std_) = n;  // both operands' rows span all t columns
+    tab.sa[g] = sta, tab.sb[g] = stb, tab.sd[g] = std_;
+    if constexpr (K::kBlockwise) {
+      tab.sfa[g] = tab.scales_a + start / 128 * m;
+      tab.sfb[g] = tab.scales_b + start / 128 * n;
+      tab.layout_sfa[g] = K::ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, n, k, 1));
+      tab.layout_sfb[g] = K::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, 1));
+    } else {
+      tab.alpha[g] = 1.f;
+    }
+  }
+}
+
+// out[g] = 0 for the groups whose segment is empty (the kernel computes no tile of theirs).
+__global__ void zero_empty_segments_kernel(const int32_t* __restrict__ sizes, int64_t t, uint16_t* out, int64_t mn) {
+  __shared__ int64_t cols;
+  if (threadIdx.x == 0) {
+    int64_t start;
+    segment_of(sizes, int(blockIdx.y), t, &start, &cols);
+  }
+  __syncthreads();
+  if (cols) return;
+  uint16_t* o = out + int64_t(blockIdx.y) * mn;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < mn; i += int64_t(gridDim.x) * blockDim.x)
+    o[i] = 0;
+}
+
+template <typename K>
+Tables<K> kgrouped_tables(void* base, const CutlassKGrouped& p) {
+  return Tables<K>(base, p.groups, p.t / 128 * p.m, p.t / 128 * p.n);
+}
+
+template <typename K>
+int64_t kgrouped_workspace_bytes(const CutlassKGrouped& p) {
+  Tables<K> tab = kgrouped_tables<K>(nullptr, p);
+  return int64_t(tab.bytes + K::Gemm::get_workspace_size(arguments<K>(tab, p.groups, false)));
+}
+
+template <typename K>
+std::string run_kgrouped(const CutlassKGrouped& p, cudaStream_t s) {
+  Tables<K> tab = kgrouped_tables<K>(p.workspace, p);
+  auto args = arguments<K>(tab, p.groups, false);
+  if (std::string e = enough(tab, args, p.workspace_bytes); !e.empty()) return e;
+  if constexpr (K::kBlockwise) {
+    const int64_t kb = p.t / 128;
+    scales_transposed_kernel<<<unsigned(std::min<int64_t>(std::max<int64_t>(cdiv(kb * (p.m + p.n), 256), 1), 1024)),
+                               256, 0, s>>>(p.scale_a, p.m, p.scale_b, p.n, kb, tab.scales_a, tab.scales_b);
+  }
+  kgrouped_prologue_kernel<K><<<1, int(std::min<int64_t>(p.groups, 1024)), 0, s>>>(
+      tab, p.segment_sizes, int(p.groups), p.t, int(p.m), int(p.n), p.a, p.b, p.out);
+  zero_empty_segments_kernel<<<dim3(unsigned(std::min<int64_t>(cdiv(p.m * p.n, 256), 64)), unsigned(p.groups)), 256,
+                               0, s>>>(p.segment_sizes, p.t, static_cast<uint16_t*>(p.out), p.m * p.n);
+  return launch(tab, args, p.workspace, p.workspace_bytes, s);
 }
 
 // The instantiations, bf16 out: per-tensor (promoted or fast accumulation) E4M3 x E4M3 (forward) and E5M2 x E4M3
@@ -276,6 +406,24 @@ std::string dispatch(const CutlassGrouped& p, F&& f) {
 }
 
 }  // namespace
+
+std::string cutlass_kgrouped_unsupported(const CutlassKGrouped& p) {
+  if (p.t % 128) return "T % 128 != 0 (segments of whole 128-blocks)";
+  if (p.n % 8) return "N % 8 != 0 (output rows of 16 bytes)";
+  if (p.groups > 1024) return "more than 1024 groups";
+  if (p.t > INT32_MAX || p.m > INT32_MAX || p.n > INT32_MAX) return "a dimension past int32";
+  return "";
+}
+
+int64_t cutlass_kgrouped_workspace_bytes(const CutlassKGrouped& p) {
+  return p.bf16 ? kgrouped_workspace_bytes<KGroupedBf16>(p) : kgrouped_workspace_bytes<KGroupedFp8>(p);
+}
+
+std::string cutlass_kgrouped_gemm(const CutlassKGrouped& p, cudaStream_t s) {
+  if (std::string why = cutlass_kgrouped_unsupported(p); !why.empty()) return why;
+  if (p.groups == 0 || p.m == 0 || p.n == 0) return "";
+  return p.bf16 ? run_kgrouped<KGroupedBf16>(p, s) : run_kgrouped<KGroupedFp8>(p, s);
+}
 
 std::string cutlass_grouped_unsupported(const CutlassGrouped& p) {
   if (p.k % 16) return "K % 16 != 0 (TMA row stride)";

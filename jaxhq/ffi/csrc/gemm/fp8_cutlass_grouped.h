@@ -2,7 +2,8 @@
 // JAXHQ_WITH_CUTLASS): out[t] = A[t] @ B[g]^T for the rows t of group g, scaled per tensor (sa * sb[g]) or per
 // block (A 1x128, B 128x128), A [T, K] sorted by group, B [G, N, K], the group sizes [G] int32 read on the device
 // (clamped to A's rows like the host path).
-// Rows past the groups are not written (the caller zeroes them). Returns "" or why it cannot run.
+// Rows past the groups are not written (the caller zeroes them). CutlassKGrouped below groups along K instead (the
+// MoE wgrad). Each call returns "" or why it cannot run.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -28,6 +29,27 @@ struct CutlassGrouped {
 std::string cutlass_grouped_unsupported(const CutlassGrouped& p);
 int64_t cutlass_grouped_workspace_bytes(const CutlassGrouped& p);  // for p's kernel and sizes, on this device
 std::string cutlass_grouped_gemm(const CutlassGrouped& p, cudaStream_t s);
+
+// Grouped along K (the MoE wgrad): out[g] = A[:, seg g] @ B[:, seg g]^T with 1x128 FP8 blocks along t on both
+// operands (or bf16 operands, no scales: decoded MXFP8 copies), for consecutive segments of t whose lengths are
+// segment_sizes[g] (read on the device) rounded up to a multiple of 128 and clamped to t; a group whose segment
+// is empty gets zeros.
+struct CutlassKGrouped {
+  const void* a;                 // [m, t] E4M3, or bf16
+  const void* b;                 // [n, t] E4M3, or bf16
+  const float* scale_a;          // [m, t / 128] (FP8)
+  const float* scale_b;          // [n, t / 128] (FP8)
+  const int32_t* segment_sizes;  // [groups], on the device
+  void* out;                     // [groups, m, n] bf16
+  int64_t m, n, t, groups;
+  bool bf16;        // bf16 operands (no scales) instead of FP8
+  void* workspace;  // cutlass_kgrouped_workspace_bytes of device memory
+  int64_t workspace_bytes;
+};
+
+std::string cutlass_kgrouped_unsupported(const CutlassKGrouped& p);
+int64_t cutlass_kgrouped_workspace_bytes(const CutlassKGrouped& p);
+std::string cutlass_kgrouped_gemm(const CutlassKGrouped& p, cudaStream_t s);
 
 }  // namespace gemm
 }  // namespace jaxhq

@@ -10,7 +10,9 @@
 //                   sizes read on the device; jaxhq_gemm_fp8_grouped is its cuBLASLt form (host sizes).
 //   jaxhq_gemm_fp8_cutlass_grouped: per-tensor / blockwise FP8 grouped on CUTLASS's sm90 pointer-array
 //                   kernels (built with CUTLASS's headers), the group sizes read on the device, its tables in a
-//                   workspace result (graphable).
+//                   workspace result (graphable); jaxhq_gemm_cutlass_kgrouped groups along K instead (the MoE
+//                   wgrad: out[g] = A[:, seg g] @ B[:, seg g].T, FP8 with 1x128 blocks along K on both operands,
+//                   or bf16 decoded copies).
 // Optional bias [N] and accumulate-into (out aliases the `c` input). The dense handlers take their cuBLASLt
 // workspace and temporaries from a workspace result that XLA allocates with the call (sized by
 // jaxhq/ffi/gemm.py), so they are command-buffer compatible: XLA records them into its CUDA graphs with the
@@ -1027,6 +1029,36 @@ ffi::Error gemm_fp8_cutlass_grouped(cudaStream_t stream, ffi::AnyBuffer a, ffi::
   std::string e = gemm::zero_past_groups(c.d, p.group_sizes, groups, t, c.n, p.out_f32, stream);  // no groups: all
   return e.empty() ? ffi::Error::Success() : internal("zeroing the rows past the groups: " + e);
 }
+
+// ---- Grouped along K on CUTLASS (the MoE wgrad): out[g] = A[:, seg g] @ B[:, seg g]^T, FP8 with 1x128 blocks
+// along t on both operands, or bf16 values (decoded MXFP8 copies; empty scales), the segment sizes read on the
+// device.
+ffi::Error gemm_cutlass_kgrouped(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi::AnyBuffer b,
+                                 ffi::AnyBuffer sb, ffi::AnyBuffer sizes, ffi::Result<ffi::AnyBuffer> out,
+                                 ffi::Result<ffi::AnyBuffer> workspace) {
+  auto da = a.dimensions(), db = b.dimensions(), dout = out->dimensions();
+  const std::string what = "GEMM grouped along K (CUTLASS), A " + dims(a) + " x B " + dims(b);
+  if (da.size() != 2 || db.size() != 2 || da[1] != db[1])
+    return invalid(what + ": A must be [M, T] and B [N, T]");
+  const int64_t m = da[0], n = db[0], t = da[1], groups = int64_t(sizes.element_count());
+  const bool bf16 = a.element_type() == ffi::DataType::BF16;
+  if (a.element_type() != b.element_type() || (!bf16 && a.element_type() != ffi::DataType::F8E4M3FN))
+    return invalid(what + ": both operands must be float8_e4m3fn (1x128 blocks) or both bfloat16");
+  if (!bf16 && (sa.element_type() != ffi::DataType::F32 || sb.element_type() != ffi::DataType::F32 ||
+                !is_2d(sa, m, cdiv(t, 128)) || !is_2d(sb, n, cdiv(t, 128))))
+    return invalid(what + ": scale_inv must be float32 [M, T/128] and [N, T/128], got " + dims(sa) + " and " +
+                   dims(sb));
+  if (auto e = check_sizes(sizes, groups); e.failure()) return e;
+  if (out->element_type() != ffi::DataType::BF16 || dout.size() != 3 || dout[0] != groups || dout[1] != m ||
+      dout[2] != n)
+    return invalid(what + ": out must be bfloat16 [G, M, N], got " + dims(*out));
+  gemm::CutlassKGrouped p{a.untyped_data(), b.untyped_data(), static_cast<const float*>(sa.untyped_data()),
+                          static_cast<const float*>(sb.untyped_data()), static_cast<const int32_t*>(sizes.untyped_data()),
+                          out->untyped_data(), m, n, t, groups, bf16, workspace->untyped_data(),
+                          int64_t(workspace->size_bytes())};
+  if (std::string e = gemm::cutlass_kgrouped_gemm(p, stream); !e.empty()) return invalid(what + ": " + e);
+  return ffi::Error::Success();
+}
 #endif
 
 // The CUDA handlers' binding prefixes: the stream (dense: temporaries in the workspace result), then XLA's
@@ -1115,6 +1147,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_fp8_cutlass_grouped, jaxhq::gemm_f
                                   .Attr<int32_t>("accumulate")
                                   .Attr<int32_t>("fast_accum"),
                               {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_cutlass_kgrouped, jaxhq::gemm_cutlass_kgrouped,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // a [M, T] E4M3 or bf16
+                                  .Arg<ffi::AnyBuffer>()  // scale_inv a [M, T/128] fp32 (bf16: empty)
+                                  .Arg<ffi::AnyBuffer>()  // b [N, T] E4M3 or bf16
+                                  .Arg<ffi::AnyBuffer>()  // scale_inv b [N, T/128] fp32 (bf16: empty)
+                                  .Arg<ffi::AnyBuffer>()  // segment_sizes [G] int32 (read on the device)
+                                  .Ret<ffi::AnyBuffer>()  // out [G, M, N] bf16
+                                  .Ret<ffi::AnyBuffer>(),  // workspace (uint8 [cutlass_kgrouped_workspace_bytes])
+                              {ffi::Traits::kCmdBufferCompatible});
 #endif
 
 namespace jaxhq {
@@ -1130,6 +1174,7 @@ const GemmHandler* gemm_cuda_handlers() {
       {"jaxhq_gemm_nvfp4", reinterpret_cast<void*>(jaxhq_cuda_gemm_nvfp4)},
 #ifdef JAXHQ_WITH_CUTLASS
       {"jaxhq_gemm_fp8_cutlass_grouped", reinterpret_cast<void*>(jaxhq_cuda_gemm_fp8_cutlass_grouped)},
+      {"jaxhq_gemm_cutlass_kgrouped", reinterpret_cast<void*>(jaxhq_cuda_gemm_cutlass_kgrouped)},
 #endif
       {nullptr, nullptr},
   };
