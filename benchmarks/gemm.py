@@ -7,7 +7,8 @@ split M into 8 experts, their weights stacked once outside the timing (ref = the
 path; xla_bf16_ragged_dot: XLA's bf16 `lax.ragged_dot`, ref = XLA bf16; FP8 grouped: the default kernel with
 the group sizes read on the device, CUTLASS's where built; `_wgmma`
 the hand-written one, `_unpaired` that one without its two-CTA clusters (JAXHQ_WGMMA_CLUSTER=1), `_lt` cuBLASLt
-per group with the sizes read on the host; ref = the dense cuBLASLt kernel; `_fastacc` the per-tensor default
+per group with the sizes read on the host (MXFP8's `_dq_host`: the dequantize path's cuBLASLt loop, where `_dq`
+is CUTLASS's bf16 grouped kernel with the sizes on the device); ref = the dense cuBLASLt kernel; `_fastacc` the per-tensor default
 with fast accumulation, ref = the dense cuBLASLt kernel with it). Every variant of a shape is compiled first, then all are
 timed in turn for --rounds rounds (median per variant), so clock drift during the run does not favour the first
 rows. jaxhq_fp8_block is 1x128 x 128x128 (forward, dgrad), jaxhq_fp8_block_1d1d 1x128 x 1x128 (wgrad), and
@@ -97,10 +98,11 @@ def variants(m, k, n, key, xla_scaled=False):
     if m % GROUPS == 0:  # MoE: GROUPS experts of m / GROUPS rows each, same FLOPs as the dense GEMM
         wq = G.stack_storages([_quantizer(MXFP8("e4m3"))(jnp.roll(w, i, axis=0)) for i in range(GROUPS)])
         sizes = jnp.full((GROUPS,), m // GROUPS, jnp.int32)
-        for label, kern in (("", wg), ("_dq", "dequantize")):
+        for label, kern, env in (("", wg, {}), ("_dq", "dequantize", {}),
+                                 ("_dq_host", "dequantize", {"JAXHQ_DQ_GROUPED": "host"})):
             v[f"jaxhq_mxfp8_grouped{GROUPS}{label}"] = (
                 jax.jit(lambda a, bs, gs, kern=kern: G.grouped_gemm(a, bs, gs, jnp.bfloat16, kernel=kern)),
-                (ma, wq, sizes))
+                (ma, wq, sizes), env)
     v["scaled_matmul_mxfp8"] = (
         jax.jit(lambda a, b, sa, sb: jax.nn.scaled_matmul(a[None], b[None], sa[None], sb[None],
                                                           preferred_element_type=jnp.bfloat16)[0]),
@@ -133,6 +135,7 @@ REF = {f"xla_bf16_ragged_dot_grouped{GROUPS}": "xla_bf16",
        f"jaxhq_fp8_tensor_grouped{GROUPS}_fastacc": "jaxhq_fp8_tensor_fastacc",
        "jaxhq_mxfp8": "scaled_matmul_mxfp8", "jaxhq_mxfp8_dq": "scaled_matmul_mxfp8",
        f"jaxhq_mxfp8_grouped{GROUPS}": "jaxhq_mxfp8", f"jaxhq_mxfp8_grouped{GROUPS}_dq": "jaxhq_mxfp8_dq",
+       f"jaxhq_mxfp8_grouped{GROUPS}_dq_host": "jaxhq_mxfp8_dq",
        "jaxhq_nvfp4": "scaled_matmul_nvfp4", "jaxhq_nvfp4_wgmma": "scaled_matmul_nvfp4"}
 COLUMNS = ["M", "K", "N", "kernel", "ms", "tflops", "x_bf16", "x_ref", "ref"]
 

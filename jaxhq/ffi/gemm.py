@@ -372,7 +372,9 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
     them and they apply (`_cutlass_grouped_unfit`; `kernel="cutlass"` requires them), else the FP8 wgmma kernel
     (`kernel="wgmma"`; MXFP8 takes it with `kernel="wgmma"` too); both read group_sizes on the device (no host
     synchronisation) and promote their sums every 128-wide K step, unless `fast_accum` (per-tensor, CUTLASS or
-    cuBLASLt). `kernel="cublaslt"` and the other formats read the sizes on the host (one stream synchronisation).
+    cuBLASLt). MXFP8's dequantize path on a Hopper with CUTLASS (bf16 out, no bias) runs CUTLASS's bf16 grouped
+    kernel on the dequantized operands, the sizes on the device too (JAXHQ_DQ_GROUPED=host: the cuBLASLt loop).
+    `kernel="cublaslt"` and the other cases read the sizes on the host (one stream synchronisation).
     """
     name = "grouped GEMM"
     stacked = bs if isinstance(bs, Storage) else stack_storages(bs, name)

@@ -176,7 +176,7 @@ __global__ void scales_mn_major_kernel(const float* __restrict__ sa, const int32
 // One block, one thread per group: group g's rows start where the clamped sizes before it end.
 template <typename K>
 __global__ void prologue_kernel(Tables<K> tab, const int32_t* __restrict__ gs, int groups, int64_t t, int n, int k,
-                                const uint8_t* a, const uint8_t* b, void* out, const float* __restrict__ sa,
+                                const void* a, const void* b, void* out, const float* __restrict__ sa,
                                 const float* __restrict__ sb) {
   using TOut = typename K::Gemm::ElementD;
   for (int g = threadIdx.x; g < groups; g += blockDim.x) {
@@ -184,8 +184,8 @@ __global__ void prologue_kernel(Tables<K> tab, const int32_t* __restrict__ gs, i
     int m;
     group_rows(gs, g, t, &start, &m);
     tab.shapes[g] = Shape3{m, n, k};
-    tab.a[g] = reinterpret_cast<const typename K::Gemm::ElementA*>(a + start * k);
-    tab.b[g] = reinterpret_cast<const typename K::Gemm::ElementB*>(b + int64_t(g) * n * k);
+    tab.a[g] = static_cast<const typename K::Gemm::ElementA*>(a) + start * k;
+    tab.b[g] = static_cast<const typename K::Gemm::ElementB*>(b) + int64_t(g) * n * k;
     tab.d[g] = static_cast<TOut*>(out) + start * n;
     // row strides of the K-major A and B and the row-major output (the other modes are static 1 and 0)
     typename K::StrideA sta{};
@@ -200,7 +200,7 @@ __global__ void prologue_kernel(Tables<K> tab, const int32_t* __restrict__ gs, i
       tab.layout_sfa[g] = K::ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, n, k, 1));
       tab.layout_sfb[g] = K::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, 1));
     } else {
-      tab.alpha[g] = sa[0] * sb[g];
+      tab.alpha[g] = sa ? sa[0] * sb[g] : 1.f;  // bf16 operands: no scales
     }
   }
 }
@@ -388,7 +388,7 @@ std::string run_kgrouped(const CutlassKGrouped& p, cudaStream_t s) {
 }
 
 // The instantiations, bf16 out: per-tensor (promoted or fast accumulation) E4M3 x E4M3 (forward) and E5M2 x E4M3
-// (dgrad of an E5M2 gradient); blockwise (1x128 A, 128x128 B) E4M3 x E4M3.
+// (dgrad of an E5M2 gradient); blockwise (1x128 A, 128x128 B) E4M3 x E4M3; bf16 x bf16 (dequantized MXFP8).
 template <typename F>
 std::string dispatch(const CutlassGrouped& p, F&& f) {
   using e4 = cutlass::float_e4m3_t;
@@ -396,6 +396,10 @@ std::string dispatch(const CutlassGrouped& p, F&& f) {
   using bf = cutlass::bfloat16_t;
   if (p.b_e5m2) return "B in E5M2 has no grouped CUTLASS kernel";
   if (p.out_f32) return "fp32 output has no grouped CUTLASS kernel";
+  if (p.bf16) {
+    if (p.blockwise || p.fast_accum || p.a_e5m2) return "bf16 operands take no scales or FP8 options";
+    return f(Kernel<bf, bf, bf, Bf16>{});  // the same kernel as the bf16 grouping along K
+  }
   if (p.blockwise) {
     if (p.fast_accum) return "blockwise scaling has no fast accumulation";
     if (p.a_e5m2) return "blockwise E5M2 A has no grouped CUTLASS kernel";  // the blockwise quantizer is E4M3
