@@ -4,15 +4,16 @@ jax.nn.scaled_matmul (MXFP8, NVFP4), at 8192^3 and the LLM shapes M=16384, (K, N
 jaxhq_mxfp8 is the FP8-wgmma kernel on a Hopper, jaxhq_mxfp8_dq the dequantize + bf16 path; jaxhq_nvfp4 is the
 dequantize + bf16 path, jaxhq_nvfp4_wgmma (Hopper) the codes decoded on chip into fp16 wgmma; the grouped rows
 split M into 8 experts, their weights stacked once outside the timing (ref = the dense kernel of the same
-path; xla_bf16_ragged_dot: XLA's bf16 `lax.ragged_dot`, ref = XLA bf16; FP8 grouped: the default kernel with
-the group sizes read on the device, CUTLASS's where built; `_wgmma`
+path; xla_bf16_ragged_dot: XLA's bf16 `lax.ragged_dot`, jaxhq_bf16_grouped: jaxhq's (CUTLASS), ref = XLA
+bf16; FP8 grouped: the default kernel with the group sizes read on the device, CUTLASS's where built; `_wgmma`
 the hand-written one, `_unpaired` that one without its two-CTA clusters (JAXHQ_WGMMA_CLUSTER=1), `_lt` cuBLASLt
 per group with the sizes read on the host (MXFP8's `_dq_host`: the dequantize path's cuBLASLt loop, where `_dq`
-is CUTLASS's bf16 grouped kernel with the sizes on the device); ref = the dense cuBLASLt kernel; `_fastacc` the per-tensor default
-with fast accumulation, ref = the dense cuBLASLt kernel with it). Every variant of a shape is compiled first, then all are
-timed in turn for --rounds rounds (median per variant), so clock drift during the run does not favour the first
-rows. jaxhq_fp8_block is 1x128 x 128x128 (forward, dgrad), jaxhq_fp8_block_1d1d 1x128 x 1x128 (wgrad), and
-its `_segment` row the MoE wgrad: K cut into 8 segments, one [M, N] output each (`segment_gemm`, CUTLASS).
+is CUTLASS's bf16 grouped kernel with the sizes on the device); ref = the dense cuBLASLt kernel; `_fastacc` the
+per-tensor default with fast accumulation, ref = the dense cuBLASLt kernel with it). Every variant of a shape is
+compiled first, then all are timed in turn for --rounds rounds (median per variant), so clock drift during the
+run does not favour the first rows. jaxhq_fp8_block is 1x128 x 128x128 (forward, dgrad), jaxhq_fp8_block_1d1d
+1x128 x 1x128 (wgrad), and its `_segment` row the MoE wgrad: K cut into 8 segments, one [M, N] output each
+(`segment_gemm`, CUTLASS).
 Each shape's rows are printed as soon as that shape finishes; the JSON is rewritten after every shape.
 
     python benchmarks/gemm.py [--shapes 8192x8192x8192,16384x4096x14336] [--out FILE] [--quick]
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from common import environ, parser, print_table, time_back_to_back, write_json
-from jaxhq.formats import MXFP8, NVFP4, Float8Block, Float8CurrentScaling, quantize
+from jaxhq.formats import MXFP8, NVFP4, Float8Block, Float8CurrentScaling, Identity, quantize
 from jaxhq.ffi import gemm as G
 from jaxhq.ops.gemm import fp8_gpu_dot
 
@@ -57,6 +58,11 @@ def variants(m, k, n, key, xla_scaled=False):
         v[f"xla_bf16_ragged_dot_grouped{GROUPS}"] = (
             jax.jit(lambda a, b, gs: lax.ragged_dot(a, b, gs, preferred_element_type=jnp.bfloat16)),
             (x, wt, jnp.full((GROUPS,), m // GROUPS, jnp.int32)))
+        ident = Identity(jnp.bfloat16)  # jaxhq's bf16 grouped GEMM (CUTLASS, sizes on the device), the same groups
+        v[f"jaxhq_bf16_grouped{GROUPS}"] = (
+            jax.jit(lambda a, bs, gs: G.grouped_gemm(a, bs, gs, jnp.bfloat16)),
+            (_quantizer(ident)(x), G.stack_storages([_quantizer(ident)(jnp.roll(w, i, axis=0)) for i in range(GROUPS)]),
+             jnp.full((GROUPS,), m // GROUPS, jnp.int32)))
 
     qa = _quantizer(Float8CurrentScaling("e4m3"))(x)
     qb = _quantizer(Float8CurrentScaling("e4m3"))(w)
@@ -127,7 +133,7 @@ def variants(m, k, n, key, xla_scaled=False):
     return v
 
 
-REF = {f"xla_bf16_ragged_dot_grouped{GROUPS}": "xla_bf16",
+REF = {f"xla_bf16_ragged_dot_grouped{GROUPS}": "xla_bf16", f"jaxhq_bf16_grouped{GROUPS}": "xla_bf16",
        "jaxhq_fp8_tensor": "xla_fp8_dot_general", "jaxhq_fp8_tensor_fastacc": "xla_fp8_dot_general",
        "jaxhq_fp8_block_1d1d": "jaxhq_fp8_block", f"jaxhq_fp8_block_1d1d_segment{GROUPS}": "jaxhq_fp8_block_1d1d",
        **{f"jaxhq_fp8_{f}_grouped{GROUPS}{s}": f"jaxhq_fp8_{f}" for f in ("tensor", "block")

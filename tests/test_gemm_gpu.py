@@ -29,7 +29,7 @@ def _gpus():
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpus(), reason="no GPU")]
 
-from jaxhq.formats import MXFP8, NVFP4, Float8Block, Float8CurrentScaling, quantize  # noqa: E402
+from jaxhq.formats import MXFP8, NVFP4, Float8Block, Float8CurrentScaling, Identity, quantize  # noqa: E402
 from jaxhq.ffi import gemm as G  # noqa: E402
 import importlib  # noqa: E402
 
@@ -715,22 +715,45 @@ def test_mxfp8_grouped_dequantized(path, accumulate, sizes, monkeypatch):
                    jnp.bfloat16, f"mxfp8 grouped dequantized ({path}) {sizes} accumulate={accumulate} seed={seed}")
 
 
+@pytest.mark.parametrize("sizes", GROUPED_SIZES, ids=GROUPED_IDS)
+@pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "accumulate"])
+def test_bf16_grouped(accumulate, sizes):
+    """Two high-precision bf16 operands (the bf16 recipe's MoE layer): CUTLASS's bf16 grouped kernel, the sizes
+    read on the device; ragged, tile-edge, empty and clamped groups, K = 528, N = 1064, accumulate."""
+    _cutlass_only()
+    rng, seed = _rng()
+    t, k, n = 1000, 528, 1064
+    q = Identity(jnp.bfloat16)
+    a = quantize(jnp.asarray(rng.standard_normal((t, k)), jnp.float32), q, "rowwise").rowwise
+    bs = G.stack_storages([quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32), q,
+                                    "rowwise").rowwise for _ in sizes])
+    c = jnp.asarray(rng.standard_normal((t, n)), jnp.bfloat16) if accumulate else None
+    fn = jax.jit(lambda a, bs, gs, c: G.grouped_gemm(a, bs, gs, jnp.bfloat16, accumulate=c))
+    gs = jnp.asarray(sizes, jnp.int32)
+    assert G.BF16_CUTLASS_GROUPED in fn.lower(a, bs, gs, c).as_text()
+    out = np.asarray(_poisoned_call(fn, a, bs, gs, c, shape=(t, n), dtype=jnp.bfloat16), np.float64)
+    _check_grouped(out, a, [jax.tree.map(lambda x: x[g], bs) for g in range(len(sizes))], sizes, c, None,
+                   jnp.bfloat16, f"bf16 grouped {sizes} accumulate={accumulate} seed={seed}")
+
+
 SEGMENT_SIZES = [[100, 0, 300, 128, 1], [0, 0], [1000], [600, 700]]  # ragged, empty, one, past T (clamped)
 
 
 @pytest.mark.parametrize("sizes", SEGMENT_SIZES, ids=["ragged", "empty", "one", "clamped"])
-@pytest.mark.parametrize("fmt", ["block", "mxfp8"])
+@pytest.mark.parametrize("fmt", ["block", "mxfp8", "bf16"])
 def test_segment_gemm(fmt, sizes):
     """The MoE wgrad grouped along K (segment_gemm, CUTLASS, segments read on the device) against float64:
     out[g] = A[:, seg g] @ B[:, seg g].T over consecutive segments of the sizes rounded up to 128 columns and
-    clamped to T, zeros for an empty one; FP8 with 1x128 blocks along T on both operands, or decoded MXFP8 copies
-    (bf16 values, a bf16 kernel); M = 1000 (a partial tile row), N = 1064 (a partial tile column), T = 1152."""
+    clamped to T, zeros for an empty one; FP8 with 1x128 blocks along T on both operands, or bf16 values (decoded
+    MXFP8 copies, high-precision ones: a bf16 kernel); M = 1000 (a partial tile row), N = 1064 (a partial tile
+    column), T = 1152."""
     _cutlass_only()
     if G.CUTLASS_KGROUPED not in G._cuda_targets():
         pytest.skip("the extension was built without CUTLASS's grouped-along-K kernel")
     rng, seed = _rng()
     m, n, t = 1000, 1064, 1152
-    q, dec = (Float8Block((1, 128)), ()) if fmt == "block" else (MXFP8("e4m3"), ("rowwise",))
+    q, dec = {"block": (Float8Block((1, 128)), ()), "mxfp8": (MXFP8("e4m3"), ("rowwise",)),
+              "bf16": (Identity(jnp.bfloat16), ())}[fmt]
     a = quantize(jnp.asarray(rng.standard_normal((m, t)) * rng.uniform(0.5, 4), jnp.float32), q, "rowwise",
                  decoded=dec).rowwise
     b = quantize(jnp.asarray(rng.standard_normal((n, t)) * 1e-2, jnp.float32), q, "rowwise", decoded=dec).rowwise

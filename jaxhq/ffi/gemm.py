@@ -29,6 +29,7 @@ FP8_GROUPED_KERNELS = ("auto", "wgmma", "cublaslt", "cutlass")  # grouped_gemm's
 FP8_WGMMA_GROUPED = "jaxhq_gemm_fp8_wgmma_grouped"
 FP8_CUTLASS_GROUPED = "jaxhq_gemm_fp8_cutlass_grouped"
 CUTLASS_KGROUPED = "jaxhq_gemm_cutlass_kgrouped"
+BF16_CUTLASS_GROUPED = "jaxhq_gemm_bf16_cutlass_grouped"
 MODE_TENSOR, MODE_VEC128, MODE_BLK128 = 0, 1, 2
 FMT_MX_E4M3, FMT_MX_E5M2, FMT_NVFP4 = 1, 2, 3
 # cuBLASLt's block-scale layout: 1x128 scales M-major [K/128, roundup(M, 4)], 128x128 scales K-major
@@ -374,6 +375,7 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
     synchronisation) and promote their sums every 128-wide K step, unless `fast_accum` (per-tensor, CUTLASS or
     cuBLASLt). MXFP8's dequantize path on a Hopper with CUTLASS (bf16 out, no bias) runs CUTLASS's bf16 grouped
     kernel on the dequantized operands, the sizes on the device too (JAXHQ_DQ_GROUPED=host: the cuBLASLt loop).
+    Two high-precision (Identity) bf16 operands: CUTLASS's bf16 grouped kernel, sizes on the device.
     `kernel="cublaslt"` and the other cases read the sizes on the host (one stream synchronisation).
     """
     name = "grouped GEMM"
@@ -384,6 +386,8 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
     g = stacked.data.shape[0]
     sizes = jnp.asarray(group_sizes, jnp.int32).reshape(g)
     t = a.data.shape[0]
+    if a.quantizer.name == "identity" and b0.quantizer.name == "identity":
+        return _bf16_grouped(a, stacked, sizes, out_dtype, bias, accumulate, name)
     fp8_families = ("fp8", "fp8_delayed", "fp8_block")
     if a.quantizer.name in fp8_families and b0.quantizer.name in fp8_families:
         ma, mb = _fp8_mode(a, name), _fp8_mode(b0, name)
@@ -400,7 +404,7 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
         if _fp8_grouped_cutlass(a, b0, n, k, g, out_dtype, bias, kernel, name, fast_accum):
             from . import load
             ws = int(load().cutlass_grouped_workspace_bytes(g, t, n, k, a.data.dtype == jnp.float8_e5m2,
-                                                            bool(fast_accum), ma != MODE_TENSOR))
+                                                            bool(fast_accum), ma != MODE_TENSOR, False))
             call = jax.ffi.ffi_call(FP8_CUTLASS_GROUPED, (jax.ShapeDtypeStruct((t, n), out_dtype),
                                                           jax.ShapeDtypeStruct((ws,), jnp.uint8)),
                                     input_output_aliases={5: 0} if aliases else {}, vmap_method="sequential")
@@ -448,23 +452,46 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
                 accumulate=np.int32(accumulate is not None))
 
 
+def _bf16_grouped(a: Storage, stacked: Storage, sizes, out_dtype, bias, accumulate, name):
+    """Two high-precision (Identity) bf16 operands: CUTLASS's bf16 grouped kernel, the sizes on the device."""
+    (t, k), (g, n, kb) = a.data.shape, stacked.data.shape
+    dts = {jnp.dtype(a.data.dtype), jnp.dtype(stacked.data.dtype), jnp.dtype(out_dtype)}
+    why = ("no CUDA GPU" if jax.default_backend() not in ("gpu", "cuda")
+           else "the extension was built without CUTLASS" if BF16_CUTLASS_GROUPED not in _cuda_targets()
+           else "the GPU is not a Hopper (sm_90a)" if not _hopper()
+           else f"operands and output in {sorted(d.name for d in dts)} (bf16 only)" if dts != {jnp.dtype(jnp.bfloat16)}
+           else "a bias" if bias is not None
+           else f"K differs: A {a.data.shape}, B {stacked.data.shape}" if k != kb
+           else f"K = {k} is not a multiple of 16" if k % 16 else f"N = {n} is not a multiple of 8" if n % 8
+           else f"{g} groups (at most 1024)" if g > 1024 else "")
+    if why:
+        raise GemmUnsupported(f"{name}: high-precision operands: {why}")
+    out_dtype, _, c, aliases = _grouped_tail(t, g, n, out_dtype, None, accumulate, name, 3)
+    from . import load
+    ws = int(load().cutlass_grouped_workspace_bytes(g, t, n, k, False, False, False, True))
+    call = jax.ffi.ffi_call(BF16_CUTLASS_GROUPED, (jax.ShapeDtypeStruct((t, n), out_dtype), _workspace(ws)),
+                            input_output_aliases=aliases, vmap_method="sequential")
+    return call(a.data, stacked.data, sizes, c, accumulate=np.int32(accumulate is not None))[0]
+
+
 def segment_gemm(a: Storage, b: Storage, segment_sizes, out_dtype=jnp.bfloat16):
     """out[g] = A[:, seg g] @ B[:, seg g].T: a GEMM grouped along K, for A [M, K] and B [N, K] whose K axis is cut
     into consecutive segments, segment g segment_sizes[g] rounded up to a multiple of 128 long (clamped to K),
     read on the device; [G, M, N], zeros for an empty segment. The wgrad of the grouped MoE dispatch: A and B
     are the columnwise copies of the sorted inputs and gradients, each group's rows padded to whole 128-row
-    blocks, and K their tokens. FP8 with 1x128 blocks along K on both operands (E4M3), or two decoded MXFP8
-    copies (their bf16 values: a bf16 GEMM, as the dequantize path runs); K % 128 == 0, N % 8 == 0, bf16 out, on
-    a Hopper with CUTLASS's kernels (fp8_cutlass_grouped.h); GemmUnsupported otherwise."""
+    blocks, and K their tokens. FP8 with 1x128 blocks along K on both operands (E4M3), or bf16 values on both
+    (decoded MXFP8 copies, as the dequantize path reads them, or high-precision ones): a bf16 GEMM; K % 128 == 0,
+    N % 8 == 0, bf16 out, on a Hopper with CUTLASS's kernels (fp8_cutlass_grouped.h); GemmUnsupported otherwise."""
     name = "segment GEMM"
     (m, k), (n, kb) = a.shape, b.shape
     block = [s.quantizer.name == "fp8_block" and _fp8_mode(s, name) == MODE_VEC128 and not s.transposed
              and s.data.dtype == jnp.float8_e4m3fn for s in (a, b)]
-    decoded = [s.quantizer.name == "mxfp8" and s.decoded and not s.transposed for s in (a, b)]
+    decoded = [(s.quantizer.name == "mxfp8" and s.decoded or s.quantizer.name == "identity") and not s.transposed
+               and s.data.dtype == jnp.bfloat16 for s in (a, b)]
     why = ("no CUDA GPU" if jax.default_backend() not in ("gpu", "cuda")
            else "the extension was built without CUTLASS" if CUTLASS_KGROUPED not in _cuda_targets()
            else "the GPU is not a Hopper (sm_90a)" if not _hopper()
-           else f"{a.format} x {b.format} (E4M3 with 1x128 blocks, or decoded MXFP8, on both operands only)"
+           else f"{a.format} x {b.format} (E4M3 with 1x128 blocks, or bf16 values, on both operands only)"
            if not (all(block) or all(decoded))
            else f"K differs: A {a.shape}, B {b.shape}" if k != kb
            else f"K = {k} is not a multiple of 128" if k % 128 else f"N = {n} is not a multiple of 8" if n % 8

@@ -13,18 +13,18 @@ experts; with an ExpertSharding that vmap is split on the expert mesh axis (expe
 jaxhq/sharding/experts.py). This is the exact reference.
 
 "grouped" runs the forward and dgrad GEMMs as one ragged grouped GEMM each over the sorted rows
-(jaxhq.ffi.gemm.grouped_gemm: no per-group buffers, no multiply of rows past a group; on a Hopper the blockwise
-FP8 calls run CUTLASS's grouped kernel and read the group sizes on the device, MXFP8's dequantize path reads them
-on the host), for quantizers whose forward and dgrad copies are row-local (rowwise MXFP8 or 1x128 blocks), so
-that quantizing all rows at once gives each row the bits its group alone would give it. The wgrad contracts over
-each group's rows. Where the columnwise copies are block-local along the tokens too (MXFP8, 1x128 blocks), the
-sorted rows are laid out in segments of whole 128-row blocks (`to_segments`: no block mixes two groups), each
-operand is quantized once, and one GEMM grouped along the tokens multiplies each group's segment only
-(jaxhq.ffi.gemm.segment_gemm on a Hopper: 1x128 FP8, or MXFP8's decoded copies in bf16; for float32 outputs and
-elsewhere one GEMM per group with the other segments' tokens zeroed). Other columnwise
-copies (per-tensor scales, stochastic rounding) come from dropless capacity buffers as above, with the capacity
-dispatch's keys. It needs one stacked kernel, the same quantizers for every group, no delayed-scaling state and
-no expert sharding; otherwise it says which.
+(jaxhq.ffi.gemm.grouped_gemm: no per-group buffers, no multiply of rows past a group; on a Hopper with CUTLASS
+the blockwise FP8, dequantized MXFP8 and bf16 calls read the group sizes on the device; high-precision operands
+without a kernel take XLA's ragged_dot), for quantizers whose forward and dgrad copies are high precision or
+row-local (rowwise MXFP8 or 1x128 blocks), so that quantizing all rows at once gives each row the bits its group
+alone would give it. The wgrad contracts over each group's rows. Where the columnwise copies are high precision
+or block-local along the tokens too (MXFP8, 1x128 blocks), the sorted rows are laid out in segments of whole
+128-row blocks (`to_segments`: no block mixes two groups), each operand is quantized once, and one GEMM grouped
+along the tokens multiplies each group's segment only (jaxhq.ffi.gemm.segment_gemm on a Hopper: 1x128 FP8, or
+bf16 values: MXFP8's decoded copies, high-precision ones; for float32 outputs and elsewhere one GEMM per group
+with the other segments' tokens zeroed). Other columnwise copies (per-tensor scales, stochastic rounding) come
+from dropless capacity buffers as above, with the capacity dispatch's keys. It needs one stacked kernel, the same
+quantizers for every group, no delayed-scaling state and no expert sharding; otherwise it says which.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from ..formats import COLUMNWISE, MXFP8, ROWWISE, Float8Block, side
+from ..formats import COLUMNWISE, MXFP8, ROWWISE, Float8Block, Identity, side
 from ..recipes import DenseQuantizers
 from .dense import _keys, _Meta, _quantize, dense
 from .gemm import gemm
@@ -203,10 +203,10 @@ def _experts(xs, kernels, quantizers, biases, key, states, expert_sharding):
 
 
 def _row_local(q, axis: str) -> bool:
-    """Whether q's `axis` copy of a [rows, K] tensor gives each row the bits it gets quantized alone: blocks
-    along K only (MXFP8, 1x128) and no per-tensor scale."""
+    """Whether q's `axis` copy of a [rows, K] tensor gives each row the bits it gets quantized alone: high
+    precision, or blocks along K only (MXFP8, 1x128) and no per-tensor scale."""
     s = side(q, axis)
-    return isinstance(s, MXFP8) or (isinstance(s, Float8Block) and s.block[0] == 1)
+    return isinstance(s, (Identity, MXFP8)) or (isinstance(s, Float8Block) and s.block[0] == 1)
 
 
 def _grouped_unfit(x, kernels, quantizers, states, expert_sharding, capacity) -> str:
@@ -223,9 +223,9 @@ def _grouped_unfit(x, kernels, quantizers, states, expert_sharding, capacity) ->
     for slot in ("input", "grad_output"):
         if not _row_local(getattr(shared, slot), ROWWISE):
             q = side(getattr(shared, slot), ROWWISE)
-            return (f"the {slot}'s rowwise copy ({q.label}, of {shared.role(slot) or slot}) is not row-local "
-                    "MXFP8 or 1x128 FP8 blocks, so one quantization of all rows would not give each group's rows "
-                    "their own bits")
+            return (f"the {slot}'s rowwise copy ({q.label}, of {shared.role(slot) or slot}) is not row-local (high "
+                    "precision, MXFP8 or 1x128 FP8 blocks), so one quantization of all rows would not give each "
+                    "group's rows their own bits")
     return ""
 
 
@@ -248,10 +248,14 @@ def _quantized_weights(kernels, keys, qs, dtype, usage):
 
 
 def _grouped_call(a, bs, sizes, dtype, qs, name: str, slot: str):
+    """The grouped GEMM; for two high-precision operands without a kernel (CPU, float32) XLA's ragged_dot."""
     from ..ffi.gemm import GemmUnsupported, grouped_gemm
     try:
         return grouped_gemm(a, bs, sizes, dtype)
     except GemmUnsupported as e:
+        if a.quantizer.name == bs.quantizer.name == "identity":
+            return jax.lax.ragged_dot(a.data, jnp.swapaxes(bs.data, 1, 2), sizes,
+                                      preferred_element_type=jnp.float32).astype(dtype)
         raise ValueError(f"{name} of {qs.role(slot) or 'grouped dense'} (dispatch 'grouped'): {e}") from None
 
 

@@ -46,12 +46,14 @@ NB_MODULE(_jaxhq_ffi, m) {
   });
   m.attr("lt_workspace_bytes") = size_t(jaxhq::gemm_bind::kLtWorkspace);  // jaxhq/ffi/gemm.py sizes calls with it
 #ifdef JAXHQ_WITH_CUTLASS
-  // the workspace result of jaxhq_gemm_fp8_cutlass_grouped on the current device (jaxhq/ffi/gemm.py sizes calls)
+  // the workspace result of jaxhq_gemm_fp8_cutlass_grouped (bf16: jaxhq_gemm_bf16_cutlass_grouped) on the current
+  // device (jaxhq/ffi/gemm.py sizes calls)
   m.def("cutlass_grouped_workspace_bytes",
-        [](int64_t groups, int64_t t, int64_t n, int64_t k, bool a_e5m2, bool fast_accum, bool blockwise) {
+        [](int64_t groups, int64_t t, int64_t n, int64_t k, bool a_e5m2, bool fast_accum, bool blockwise,
+           bool bf16) {
           jaxhq::gemm::CutlassGrouped p{};
           p.groups = groups, p.t = t, p.n = n, p.k = k;
-          p.a_e5m2 = a_e5m2, p.fast_accum = fast_accum, p.blockwise = blockwise;
+          p.a_e5m2 = a_e5m2, p.fast_accum = fast_accum, p.blockwise = blockwise, p.bf16 = bf16;
           return jaxhq::gemm::cutlass_grouped_workspace_bytes(p);
         });
   // the workspace result of jaxhq_gemm_cutlass_kgrouped (grouped along K, the MoE wgrad)

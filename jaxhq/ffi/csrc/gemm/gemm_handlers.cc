@@ -12,7 +12,7 @@
 //                   kernels (built with CUTLASS's headers), the group sizes read on the device, its tables in a
 //                   workspace result (graphable); jaxhq_gemm_cutlass_kgrouped groups along K instead (the MoE
 //                   wgrad: out[g] = A[:, seg g] @ B[:, seg g].T, FP8 with 1x128 blocks along K on both operands,
-//                   or bf16 decoded copies).
+//                   or bf16 decoded copies); jaxhq_gemm_bf16_cutlass_grouped is the bf16 grouped GEMM along rows.
 // Optional bias [N] and accumulate-into (out aliases the `c` input). The dense handlers take their cuBLASLt
 // workspace and temporaries from a workspace result that XLA allocates with the call (sized by
 // jaxhq/ffi/gemm.py), so they are command-buffer compatible: XLA records them into its CUDA graphs with the
@@ -1074,6 +1074,33 @@ ffi::Error gemm_fp8_cutlass_grouped(cudaStream_t stream, ffi::AnyBuffer a, ffi::
   return e.empty() ? ffi::Error::Success() : internal("zeroing the rows past the groups: " + e);
 }
 
+// ---- bf16 grouped on CUTLASS (the MoE layer of the bf16 recipe): out[t] = A[t] @ B[g]^T, the group sizes read on
+// the device.
+ffi::Error gemm_bf16_cutlass_grouped(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer gs,
+                                     ffi::AnyBuffer cin, ffi::Result<ffi::AnyBuffer> out,
+                                     ffi::Result<ffi::AnyBuffer> workspace, int32_t accumulate) {
+  auto da = a.dimensions(), db = b.dimensions();
+  if (da.size() != 2 || db.size() != 3 || da[1] != db[2] || a.element_type() != ffi::DataType::BF16 ||
+      b.element_type() != ffi::DataType::BF16)
+    return invalid("grouped bf16 (CUTLASS): A must be bfloat16 [T, K] and B [G, N, K], got " + dims(a) + " and " +
+                   dims(b));
+  const int64_t t = da[0], groups = db[0];
+  LtCall c{};
+  c.n = db[1], c.k = da[1];
+  if (auto e = check_sizes(gs, groups); e.failure()) return e;
+  if (auto e = check_grouped_out(t, groups, c.n, nullptr, cin, out, accumulate, &c); e.failure()) return e;
+  if (c.out_type != lt::kR16BF) return invalid("grouped bf16 (CUTLASS): bfloat16 output only");
+  gemm::CutlassGrouped p{};
+  p.a = a.untyped_data(), p.b = b.untyped_data(), p.group_sizes = static_cast<const int32_t*>(gs.untyped_data());
+  p.out = c.d, p.t = t, p.n = c.n, p.k = c.k, p.groups = groups, p.accumulate = c.accumulate, p.bf16 = true;
+  p.workspace = workspace->untyped_data(), p.workspace_bytes = int64_t(workspace->size_bytes());
+  if (std::string e = gemm::cutlass_grouped_gemm(p, stream); !e.empty())
+    return invalid("grouped bf16 (CUTLASS), A " + dims(a) + " x B " + dims(b) + ": " + e);
+  if (c.accumulate) return ffi::Error::Success();
+  std::string e = gemm::zero_past_groups(c.d, p.group_sizes, groups, t, c.n, false, stream);
+  return e.empty() ? ffi::Error::Success() : internal("zeroing the rows past the groups: " + e);
+}
+
 // ---- Grouped along K on CUTLASS (the MoE wgrad): out[g] = A[:, seg g] @ B[:, seg g]^T, FP8 with 1x128 blocks
 // along t on both operands, or bf16 values (decoded MXFP8 copies; empty scales), the segment sizes read on the
 // device.
@@ -1192,6 +1219,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_fp8_cutlass_grouped, jaxhq::gemm_f
                                   .Attr<int32_t>("fast_accum"),
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_bf16_cutlass_grouped, jaxhq::gemm_bf16_cutlass_grouped,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // a [T, K] bf16
+                                  .Arg<ffi::AnyBuffer>()  // b [G, N, K] bf16
+                                  .Arg<ffi::AnyBuffer>()  // group_sizes [G] int32 (read on the device)
+                                  .Arg<ffi::AnyBuffer>()  // c (aliased to out when accumulating)
+                                  .Ret<ffi::AnyBuffer>()  // out [T, N] bf16
+                                  .Ret<ffi::AnyBuffer>()  // workspace (uint8 [cutlass_grouped_workspace_bytes])
+                                  .Attr<int32_t>("accumulate"),
+                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxhq_cuda_gemm_cutlass_kgrouped, jaxhq::gemm_cutlass_kgrouped,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -1219,6 +1257,7 @@ const GemmHandler* gemm_cuda_handlers() {
 #ifdef JAXHQ_WITH_CUTLASS
       {"jaxhq_gemm_fp8_cutlass_grouped", reinterpret_cast<void*>(jaxhq_cuda_gemm_fp8_cutlass_grouped)},
       {"jaxhq_gemm_cutlass_kgrouped", reinterpret_cast<void*>(jaxhq_cuda_gemm_cutlass_kgrouped)},
+      {"jaxhq_gemm_bf16_cutlass_grouped", reinterpret_cast<void*>(jaxhq_cuda_gemm_bf16_cutlass_grouped)},
 #endif
       {nullptr, nullptr},
   };
