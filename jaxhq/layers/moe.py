@@ -15,7 +15,8 @@ shards' buffers one after another, [E, S*C, d]. Under expert parallelism that co
 result equals dispatch "replicated" (one global sort, every expert gets all T*k rows) bit for bit.
 
 Dispatch "grouped": one global sort, and fc1 and fc2 run their forward and dgrad GEMMs as ragged grouped GEMMs over
-the T*k sorted rows (jaxhq.ops.grouped_dense, dispatch "grouped": row-local formats, dropless, unsharded experts).
+the T*k sorted rows and their wgrads grouped along those rows (jaxhq.ops.grouped_dense, dispatch "grouped": high
+precision or row-local formats, dropless, unsharded experts).
 """
 from __future__ import annotations
 
