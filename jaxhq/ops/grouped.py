@@ -316,7 +316,8 @@ def _segment_wgrad(x, dy, sizes, qs):
     from ..ffi.gemm import GemmUnsupported, segment_gemm
     xp, seg = to_segments(x, sizes)
     dyp, _ = to_segments(dy, sizes)
-    # decoded where the GEMMs dequantize (MXFP8 on a Hopper): the masked GEMMs then read values
+    # decoded where the GEMMs dequantize (MXFP8 on a Hopper): the bf16 segment kernel (or the masked GEMMs) reads
+    # their values
     a = _quantize(xp, qs, "input", (COLUMNWISE,), None, None, decoded=(COLUMNWISE,)).columnwise
     b = _quantize(dyp, qs, "grad_output", (COLUMNWISE,), None, None, decoded=(COLUMNWISE,)).columnwise
     try:
