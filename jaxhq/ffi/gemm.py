@@ -273,15 +273,23 @@ def _cutlass_grouped_unfit(a, b0, n: int, k: int, groups: int, out_dtype, bias, 
     only with CUTLASS's headers; per-tensor scales, or 1x128 A and 128x128 B scales (no fast accumulation), E4M3
     weights, bf16 out, no bias, K % 16, N % 8."""
     modes = (_fp8_mode(a, ""), _fp8_mode(b0, ""))
-    return ("the extension was built without CUTLASS" if FP8_CUTLASS_GROUPED not in _cuda_targets()
-            else "the GPU is not a Hopper (sm_90a)" if not _hopper()
-            else "1x128 weight scales" if modes == (MODE_VEC128, MODE_VEC128)
+    return _cutlass_missing(FP8_CUTLASS_GROUPED) or (
+            "1x128 weight scales" if modes == (MODE_VEC128, MODE_VEC128)
             else "fast accumulation with blockwise scales" if fast_accum and modes != (MODE_TENSOR, MODE_TENSOR)
             else "E5M2 weights" if b0.data.dtype != jnp.float8_e4m3fn
             else f"{jnp.dtype(out_dtype).name} output (bf16 only)" if jnp.dtype(out_dtype) != jnp.bfloat16
             else "a bias" if bias is not None
             else f"K = {k} is not a multiple of 16" if k % 16 else f"N = {n} is not a multiple of 8" if n % 8
             else f"{groups} groups (at most 1024)" if groups > 1024 else "")
+
+
+def _cutlass_missing(target: str) -> str:
+    """Why a CUTLASS target cannot run here ("" when it can): no CUDA GPU, an extension built without CUTLASS's
+    headers, or a GPU other than a Hopper."""
+    targets = _cuda_targets()
+    return ("no CUDA GPU (or an extension built without CUDA)" if not targets
+            else "the extension was built without CUTLASS" if target not in targets
+            else "the GPU is not a Hopper (sm_90a)" if not _hopper() else "")
 
 
 def _cuda_targets() -> list:
@@ -456,10 +464,8 @@ def _bf16_grouped(a: Storage, stacked: Storage, sizes, out_dtype, bias, accumula
     """Two high-precision (Identity) bf16 operands: CUTLASS's bf16 grouped kernel, the sizes on the device."""
     (t, k), (g, n, kb) = a.data.shape, stacked.data.shape
     dts = {jnp.dtype(a.data.dtype), jnp.dtype(stacked.data.dtype), jnp.dtype(out_dtype)}
-    why = ("no CUDA GPU" if jax.default_backend() not in ("gpu", "cuda")
-           else "the extension was built without CUTLASS" if BF16_CUTLASS_GROUPED not in _cuda_targets()
-           else "the GPU is not a Hopper (sm_90a)" if not _hopper()
-           else f"operands and output in {sorted(d.name for d in dts)} (bf16 only)" if dts != {jnp.dtype(jnp.bfloat16)}
+    why = _cutlass_missing(BF16_CUTLASS_GROUPED) or (
+           f"operands and output in {sorted(d.name for d in dts)} (bf16 only)" if dts != {jnp.dtype(jnp.bfloat16)}
            else "a bias" if bias is not None
            else f"K differs: A {a.data.shape}, B {stacked.data.shape}" if k != kb
            else f"K = {k} is not a multiple of 16" if k % 16 else f"N = {n} is not a multiple of 8" if n % 8
@@ -488,10 +494,8 @@ def segment_gemm(a: Storage, b: Storage, segment_sizes, out_dtype=jnp.bfloat16):
              and s.data.dtype == jnp.float8_e4m3fn for s in (a, b)]
     decoded = [(s.quantizer.name == "mxfp8" and s.decoded or s.quantizer.name == "identity") and not s.transposed
                and s.data.dtype == jnp.bfloat16 for s in (a, b)]
-    why = ("no CUDA GPU" if jax.default_backend() not in ("gpu", "cuda")
-           else "the extension was built without CUTLASS" if CUTLASS_KGROUPED not in _cuda_targets()
-           else "the GPU is not a Hopper (sm_90a)" if not _hopper()
-           else f"{a.format} x {b.format} (E4M3 with 1x128 blocks, or bf16 values, on both operands only)"
+    why = _cutlass_missing(CUTLASS_KGROUPED) or (
+           f"{a.format} x {b.format} (E4M3 with 1x128 blocks, or bf16 values, on both operands only)"
            if not (all(block) or all(decoded))
            else f"K differs: A {a.shape}, B {b.shape}" if k != kb
            else f"K = {k} is not a multiple of 128" if k % 128 else f"N = {n} is not a multiple of 8" if n % 8

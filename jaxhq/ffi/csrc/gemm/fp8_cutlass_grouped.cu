@@ -7,6 +7,8 @@
 // each group's segment of the token axis, out[g] = A[:, seg] @ B[:, seg]^T).
 #include "fp8_cutlass_grouped.h"
 
+#include "fp8_wgmma.h"  // zero_past_groups
+
 #include <algorithm>
 #include <mutex>
 
@@ -448,8 +450,11 @@ int64_t cutlass_grouped_workspace_bytes(const CutlassGrouped& p) {
 
 std::string cutlass_grouped_gemm(const CutlassGrouped& p, cudaStream_t s) {
   if (std::string why = cutlass_grouped_unsupported(p); !why.empty()) return why;
-  if (p.groups == 0 || p.t == 0 || p.n == 0) return "";
-  return dispatch(p, [&](auto kernel) { return run<decltype(kernel)>(p, s); });
+  if (p.groups > 0 && p.t > 0 && p.n > 0)
+    if (std::string e = dispatch(p, [&](auto kernel) { return run<decltype(kernel)>(p, s); }); !e.empty()) return e;
+  if (p.accumulate) return "";
+  const std::string e = zero_past_groups(p.out, p.group_sizes, p.groups, p.t, p.n, p.out_f32, s);  // no groups: all
+  return e.empty() ? "" : "zeroing the rows past the groups: " + e;
 }
 
 }  // namespace gemm

@@ -1,9 +1,9 @@
 // Grouped (MoE) FP8 GEMM on CUTLASS's sm90 pointer-array kernels (built when the CUTLASS headers are found;
 // JAXHQ_WITH_CUTLASS): out[t] = A[t] @ B[g]^T for the rows t of group g, scaled per tensor (sa * sb[g]) or per
-// block (A 1x128, B 128x128), or bf16 operands (the dequantize path of grouped MXFP8), A [T, K] sorted by group, B [G, N, K], the group sizes [G] int32 read on the device
-// (clamped to A's rows like the host path).
-// Rows past the groups are not written (the caller zeroes them). CutlassKGrouped below groups along K instead (the
-// MoE wgrad). Each call returns "" or why it cannot run.
+// block (A 1x128, B 128x128), or bf16 operands (no scales: dequantized MXFP8, the bf16 recipe), A [T, K] sorted by
+// group, B [G, N, K], the group sizes [G] int32 read on the device (clamped to A's rows like the host path).
+// Rows past the groups are zeroed (kept when accumulating). CutlassKGrouped below groups along K instead (the MoE
+// wgrad). Each call returns "" or why it cannot run.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -22,7 +22,7 @@ struct CutlassGrouped {
   void* out;                   // [t, n] bf16
   int64_t t, n, k, groups;
   bool a_e5m2, b_e5m2, out_f32, accumulate, fast_accum, blockwise;
-  bool bf16;        // bf16 operands (MXFP8 dequantized), no scales (alpha 1)
+  bool bf16;        // bf16 operands, no scales (alpha 1)
   void* workspace;  // cutlass_grouped_workspace_bytes of device memory
   int64_t workspace_bytes;
 };

@@ -635,12 +635,14 @@ ffi::Error dequant(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuffer& 
                      static_cast<const uint8_t*>(s.untyped_data()), d[0], fmt, k, out);
 }
 
-bool native_block_scaling() {  // Blackwell (sm_100+): block-scaled tensor cores behind cuBLASLt
+int compute_major() {  // of the current device (0 when it cannot be read)
   int dev = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-    return false;
-  return major >= 10;
+    return 0;
+  return major;
 }
+
+bool native_block_scaling() { return compute_major() >= 10; }  // Blackwell (sm_100+): block scaling in cuBLASLt
 
 int32_t dq_lt_type(int32_t fmt) { return fmt == kNvfp4 ? lt::kR4F_E2M1 : fmt == kMxE5M2 ? lt::kR8F_E5M2 : lt::kR8F_E4M3; }
 
@@ -840,39 +842,13 @@ ffi::Error gemm_fp8_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ff
 }
 
 #ifdef JAXHQ_WITH_CUTLASS
-// The dequantize path of grouped MXFP8 with the group sizes read on the device: both operands dequantized to
-// bf16 in scratch, then CUTLASS's bf16 grouped kernel (fp8_cutlass_grouped.h), so the call does not synchronise
-// the stream. Taken on a Hopper for bf16 output without bias (*taken); JAXHQ_DQ_GROUPED=host keeps the
-// cuBLASLt loop over host-read sizes (A/B timing).
-ffi::Error dq_grouped_cutlass(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuffer& a, const ffi::AnyBuffer& sa,
-                              const ffi::AnyBuffer& b, const ffi::AnyBuffer& sb, const ffi::AnyBuffer& gs,
-                              const LtCall& c, int32_t fmt_a, int32_t fmt_b, int64_t t, int64_t groups, bool* taken) {
+// The dequantize path of grouped MXFP8 with the group sizes read on the device: CUTLASS's bf16 grouped kernel
+// (fp8_cutlass_grouped.h) on the dequantized operands, so the call does not synchronise the stream. Taken on a
+// Hopper for bf16 output without bias; JAXHQ_DQ_GROUPED=host keeps the cuBLASLt loop over host-read sizes (A/B).
+bool dq_grouped_on_device(const LtCall& c, int32_t fmt_a, const gemm::CutlassGrouped& p) {
   const char* env = std::getenv("JAXHQ_DQ_GROUPED");
-  int dev = 0, major = 0;
-  if ((env && std::string(env) == "host") || c.out_type != lt::kR16BF || c.bias ||
-      cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major != 9)
-    return ffi::Error::Success();
-  gemm::CutlassGrouped p{};
-  p.t = t, p.n = c.n, p.k = c.k, p.groups = groups, p.bf16 = true, p.accumulate = c.accumulate;
-  if (!gemm::cutlass_grouped_unsupported(p).empty()) return ffi::Error::Success();
-  if (auto e = check_sizes(gs, groups); e.failure()) return e;
-  *taken = true;
-  void *dqa = nullptr, *dqb = nullptr;
-  if (auto e = dequant_ptr(stream, scratch, static_cast<const uint8_t*>(a.untyped_data()),
-                           static_cast<const uint8_t*>(sa.untyped_data()), t, fmt_a, c.k, &dqa); e.failure()) return e;
-  if (auto e = dequant_ptr(stream, scratch, static_cast<const uint8_t*>(b.untyped_data()),
-                           static_cast<const uint8_t*>(sb.untyped_data()), groups * c.n, fmt_b, c.k, &dqb); e.failure())
-    return e;
-  p.workspace_bytes = gemm::cutlass_grouped_workspace_bytes(p);
-  p.workspace = scratch.get(size_t(p.workspace_bytes));
-  if (!p.workspace) return out_of_scratch(scratch, "the grouped kernel's tables");
-  p.a = dqa, p.b = dqb, p.group_sizes = static_cast<const int32_t*>(gs.untyped_data()), p.out = c.d;
-  if (std::string e = gemm::cutlass_grouped_gemm(p, stream); !e.empty())
-    return invalid("grouped MXFP8 (dequantized, CUTLASS), A " + dims(a) + ": " + e);
-  if (c.accumulate) return ffi::Error::Success();
-  std::string e = gemm::zero_past_groups(c.d, p.group_sizes, groups, t, c.n, false, stream);
-  return e.empty() ? ffi::Error::Success() : internal("zeroing the rows past the groups: " + e);
+  return fmt_a != kNvfp4 && !(env && std::string(env) == "host") && c.out_type == lt::kR16BF && !c.bias &&
+         compute_major() == 9 && gemm::cutlass_grouped_unsupported(p).empty();
 }
 #endif
 
@@ -890,21 +866,27 @@ ffi::Error gemm_dq_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi
   LtCall c{};
   c.n = n, c.k = k;
   if (auto e = check_grouped_out(t, groups, n, &bias, cin, out, accumulate, &c); e.failure()) return e;
-#ifdef JAXHQ_WITH_CUTLASS
-  if (fmt_a != kNvfp4) {  // MXFP8 on a Hopper: the sizes stay on the device (CUTLASS's bf16 grouped kernel)
-    bool taken = false;
-    if (auto e = dq_grouped_cutlass(stream, scratch, a, sa, b, sb, gs, c, fmt_a, fmt_b, t, groups, &taken);
-        e.failure() || taken)
-      return e;
-  }
-#endif
-  std::vector<int64_t> starts, sizes;
-  if (auto e = host_sizes(stream, gs, groups, t, &starts, &sizes); e.failure()) return e;
   void *dqa = nullptr, *dqb = nullptr;
   if (auto e = dequant_ptr(stream, scratch, static_cast<const uint8_t*>(a.untyped_data()),
                            static_cast<const uint8_t*>(sa.untyped_data()), t, fmt_a, k, &dqa); e.failure()) return e;
   if (auto e = dequant_ptr(stream, scratch, static_cast<const uint8_t*>(b.untyped_data()),
                            static_cast<const uint8_t*>(sb.untyped_data()), groups * n, fmt_b, k, &dqb); e.failure()) return e;
+#ifdef JAXHQ_WITH_CUTLASS
+  gemm::CutlassGrouped p{};
+  p.a = dqa, p.b = dqb, p.group_sizes = static_cast<const int32_t*>(gs.untyped_data()), p.out = c.d;
+  p.t = t, p.n = n, p.k = k, p.groups = groups, p.accumulate = c.accumulate, p.bf16 = true;
+  if (dq_grouped_on_device(c, fmt_a, p)) {
+    if (auto e = check_sizes(gs, groups); e.failure()) return e;
+    p.workspace_bytes = gemm::cutlass_grouped_workspace_bytes(p);
+    p.workspace = scratch.get(size_t(p.workspace_bytes));
+    if (!p.workspace) return out_of_scratch(scratch, "the grouped kernel's tables");
+    if (std::string e = gemm::cutlass_grouped_gemm(p, stream); !e.empty())
+      return invalid("grouped MXFP8 (dequantized, CUTLASS), A " + dims(a) + ": " + e);
+    return ffi::Error::Success();
+  }
+#endif
+  std::vector<int64_t> starts, sizes;
+  if (auto e = host_sizes(stream, gs, groups, t, &starts, &sizes); e.failure()) return e;
   c.type_a = c.type_b = lt::kR16BF;
   float* ab = nullptr;
   if (fmt_a == kNvfp4) {
@@ -1062,16 +1044,14 @@ ffi::Error gemm_fp8_cutlass_grouped(cudaStream_t stream, ffi::AnyBuffer a, ffi::
   if (auto e = check_fp8_grouped(a, sa, b, sb, mode_a, mode_b, &c, &t, &groups); e.failure()) return e;
   if (auto e = check_sizes(gs, groups); e.failure()) return e;
   if (auto e = check_grouped_out(t, groups, c.n, nullptr, cin, out, accumulate, &c); e.failure()) return e;
-  gemm::CutlassGrouped p{a.untyped_data(), b.untyped_data(), static_cast<const float*>(sa.untyped_data()), static_cast<const float*>(sb.untyped_data()),
-                         static_cast<const int32_t*>(gs.untyped_data()), c.d, t, c.n, c.k, groups,
-                         c.type_a == lt::kR8F_E5M2, c.type_b == lt::kR8F_E5M2, c.out_type == lt::kR32F,
-                         c.accumulate, fast_accum != 0, mode_a == kVec128, false, workspace->untyped_data(),
-                         int64_t(workspace->size_bytes())};
+  gemm::CutlassGrouped p{a.untyped_data(), b.untyped_data(), static_cast<const float*>(sa.untyped_data()),
+                         static_cast<const float*>(sb.untyped_data()), static_cast<const int32_t*>(gs.untyped_data()),
+                         c.d, t, c.n, c.k, groups, c.type_a == lt::kR8F_E5M2, c.type_b == lt::kR8F_E5M2,
+                         c.out_type == lt::kR32F, c.accumulate, fast_accum != 0, mode_a == kVec128, false,
+                         workspace->untyped_data(), int64_t(workspace->size_bytes())};
   if (std::string e = gemm::cutlass_grouped_gemm(p, stream); !e.empty())
     return invalid("grouped FP8 (CUTLASS), A " + dims(a) + " x B " + dims(b) + ": " + e);
-  if (c.accumulate) return ffi::Error::Success();
-  std::string e = gemm::zero_past_groups(c.d, p.group_sizes, groups, t, c.n, p.out_f32, stream);  // no groups: all
-  return e.empty() ? ffi::Error::Success() : internal("zeroing the rows past the groups: " + e);
+  return ffi::Error::Success();
 }
 
 // ---- bf16 grouped on CUTLASS (the MoE layer of the bf16 recipe): out[t] = A[t] @ B[g]^T, the group sizes read on
@@ -1096,9 +1076,7 @@ ffi::Error gemm_bf16_cutlass_grouped(cudaStream_t stream, ffi::AnyBuffer a, ffi:
   p.workspace = workspace->untyped_data(), p.workspace_bytes = int64_t(workspace->size_bytes());
   if (std::string e = gemm::cutlass_grouped_gemm(p, stream); !e.empty())
     return invalid("grouped bf16 (CUTLASS), A " + dims(a) + " x B " + dims(b) + ": " + e);
-  if (c.accumulate) return ffi::Error::Success();
-  std::string e = gemm::zero_past_groups(c.d, p.group_sizes, groups, t, c.n, false, stream);
-  return e.empty() ? ffi::Error::Success() : internal("zeroing the rows past the groups: " + e);
+  return ffi::Error::Success();
 }
 
 // ---- Grouped along K on CUTLASS (the MoE wgrad): out[g] = A[:, seg g] @ B[:, seg g]^T, FP8 with 1x128 blocks
