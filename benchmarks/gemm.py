@@ -7,7 +7,7 @@ split M into 8 experts, their weights stacked once outside the timing (ref = the
 path; xla_bf16_ragged_dot: XLA's bf16 `lax.ragged_dot`, jaxhq_bf16_grouped: jaxhq's (CUTLASS), ref = XLA
 bf16; FP8 grouped: the default kernel with the group sizes read on the device, CUTLASS's where built; `_wgmma`
 the hand-written one, `_unpaired` that one without its two-CTA clusters (JAXHQ_WGMMA_CLUSTER=1), `_lt` cuBLASLt
-per group with the sizes read on the host (MXFP8's `_dq_host`: the dequantize path's cuBLASLt loop, where `_dq`
+per group with the sizes read on the host (MXFP8's and NVFP4's `_dq_host`: the dequantize path's cuBLASLt loop, where `_dq`
 is CUTLASS's bf16 grouped kernel with the sizes on the device); ref = the dense cuBLASLt kernel; `_fastacc` the
 per-tensor default with fast accumulation, ref = the dense cuBLASLt kernel with it). Every variant of a shape is
 compiled first, then all are timed in turn for --rounds rounds (median per variant), so clock drift during the
@@ -81,6 +81,9 @@ def variants(m, k, n, key, xla_scaled=False):
     if k % (GROUPS * 128) == 0:  # the MoE wgrad: K (the tokens) in GROUPS segments, out [GROUPS, M, N]
         v[f"jaxhq_fp8_block_1d1d_segment{GROUPS}"] = (jax.jit(lambda a, b, s: G.segment_gemm(a, b, s)),
                                                       (ba, b1d, jnp.full((GROUPS,), k // GROUPS, jnp.int32)))
+        # one segment of all K: the dense 1d1d GEMM on CUTLASS's kernel instead of cuBLASLt's
+        v["jaxhq_fp8_block_1d1d_segment1"] = (jax.jit(lambda a, b, s: G.segment_gemm(a, b, s)),
+                                              (ba, b1d, jnp.full((1,), k, jnp.int32)))
     if m % GROUPS == 0:  # MoE: GROUPS experts of m / GROUPS rows each, same FLOPs as the dense GEMM
         sizes = jnp.full((GROUPS,), m // GROUPS, jnp.int32)
         for fmt, qa_, label in ((Float8CurrentScaling("e4m3"), qa, "tensor"), (Float8Block((128, 128)), ba, "block")):
@@ -117,6 +120,12 @@ def variants(m, k, n, key, xla_scaled=False):
     na = _quantizer(NVFP4())(x)
     nb = _quantizer(NVFP4())(w)
     v["jaxhq_nvfp4"] = (jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.bfloat16, kernel="dequantize")), (na, nb))
+    if m % GROUPS == 0:  # MoE, as MXFP8's rows: the sizes on the device (CUTLASS), or read on the host
+        wq = G.stack_storages([_quantizer(NVFP4())(jnp.roll(w, i, axis=0)) for i in range(GROUPS)])
+        for label, env in (("_dq", {}), ("_dq_host", {"JAXHQ_DQ_GROUPED": "host"})):
+            v[f"jaxhq_nvfp4_grouped{GROUPS}{label}"] = (
+                jax.jit(lambda a, bs, gs: G.grouped_gemm(a, bs, gs, jnp.bfloat16, kernel="dequantize")),
+                (na, wq, jnp.full((GROUPS,), m // GROUPS, jnp.int32)), env)
     if G._hopper() and k % 32 == 0:  # decoded on chip, fp16 wgmma
         v["jaxhq_nvfp4_wgmma"] = (jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.bfloat16, kernel="wgmma")),
                                   (na, nb))
@@ -136,13 +145,15 @@ def variants(m, k, n, key, xla_scaled=False):
 REF = {f"xla_bf16_ragged_dot_grouped{GROUPS}": "xla_bf16", f"jaxhq_bf16_grouped{GROUPS}": "xla_bf16",
        "jaxhq_fp8_tensor": "xla_fp8_dot_general", "jaxhq_fp8_tensor_fastacc": "xla_fp8_dot_general",
        "jaxhq_fp8_block_1d1d": "jaxhq_fp8_block", f"jaxhq_fp8_block_1d1d_segment{GROUPS}": "jaxhq_fp8_block_1d1d",
+       "jaxhq_fp8_block_1d1d_segment1": "jaxhq_fp8_block_1d1d",
        **{f"jaxhq_fp8_{f}_grouped{GROUPS}{s}": f"jaxhq_fp8_{f}" for f in ("tensor", "block")
           for s in ("", "_unpaired", "_lt", "_wgmma")},
        f"jaxhq_fp8_tensor_grouped{GROUPS}_fastacc": "jaxhq_fp8_tensor_fastacc",
        "jaxhq_mxfp8": "scaled_matmul_mxfp8", "jaxhq_mxfp8_dq": "scaled_matmul_mxfp8",
        f"jaxhq_mxfp8_grouped{GROUPS}": "jaxhq_mxfp8", f"jaxhq_mxfp8_grouped{GROUPS}_dq": "jaxhq_mxfp8_dq",
        f"jaxhq_mxfp8_grouped{GROUPS}_dq_host": "jaxhq_mxfp8_dq",
-       "jaxhq_nvfp4": "scaled_matmul_nvfp4", "jaxhq_nvfp4_wgmma": "scaled_matmul_nvfp4"}
+       "jaxhq_nvfp4": "scaled_matmul_nvfp4", "jaxhq_nvfp4_wgmma": "scaled_matmul_nvfp4",
+       **{f"jaxhq_nvfp4_grouped{GROUPS}{s}": "jaxhq_nvfp4" for s in ("_dq", "_dq_host")}}
 COLUMNS = ["M", "K", "N", "kernel", "ms", "tflops", "x_bf16", "x_ref", "ref"]
 
 

@@ -693,26 +693,28 @@ def test_cutlass_grouped_in_cuda_graphs(case):
 @pytest.mark.parametrize("sizes", GROUPED_SIZES, ids=GROUPED_IDS)
 @pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "accumulate"])
 @pytest.mark.parametrize("path", ["device", "host"])
-def test_mxfp8_grouped_dequantized(path, accumulate, sizes, monkeypatch):
-    """Grouped MXFP8 on the dequantize path, bf16 out, no bias: both operands dequantized to bf16, then on a
-    Hopper with CUTLASS its bf16 grouped kernel with the sizes read on the device ("device"), or the cuBLASLt loop
-    over host-read sizes (JAXHQ_DQ_GROUPED=host); ragged, tile-edge, empty and clamped groups, K = 528, N = 1064
-    (partial tiles), accumulate into the output."""
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_grouped_dequantized(fmt, path, accumulate, sizes, monkeypatch):
+    """Grouped MXFP8 / NVFP4 on the dequantize path, bf16 out, no bias: both operands dequantized to bf16, then on
+    a Hopper with CUTLASS its bf16 grouped kernel with the sizes read on the device ("device"; NVFP4's global
+    scales as one alpha per group: every group's weight has its own amax), or the cuBLASLt loop over host-read
+    sizes (JAXHQ_DQ_GROUPED=host); ragged, tile-edge, empty and clamped groups, K = 528, N = 1064 (partial tiles),
+    accumulate into the output."""
     _hopper_only()
     if path == "host":
         monkeypatch.setenv("JAXHQ_DQ_GROUPED", "host")
     rng, seed = _rng()
     t, k, n = 1000, 528, 1064
-    q = MXFP8("e4m3")
+    q = MXFP8("e4m3") if fmt == "mxfp8" else NVFP4()
     a = quantize(jnp.asarray(rng.standard_normal((t, k)) * rng.uniform(0.5, 4), jnp.float32), q, "rowwise").rowwise
-    bs = G.stack_storages([quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32), q,
+    bs = G.stack_storages([quantize(jnp.asarray(rng.standard_normal((n, k)) * rng.uniform(0.01, 1), jnp.float32), q,
                                     "rowwise").rowwise for _ in sizes])
     c = jnp.asarray(rng.standard_normal((t, n)), jnp.bfloat16) if accumulate else None
     fn = jax.jit(lambda a, bs, gs, c: G.grouped_gemm(a, bs, gs, jnp.bfloat16, accumulate=c, kernel="dequantize"))
     out = np.asarray(_poisoned_call(fn, a, bs, jnp.asarray(sizes, jnp.int32), c, shape=(t, n), dtype=jnp.bfloat16),
                      np.float64)
     _check_grouped(out, a, [jax.tree.map(lambda x: x[g], bs) for g in range(len(sizes))], sizes, c, None,
-                   jnp.bfloat16, f"mxfp8 grouped dequantized ({path}) {sizes} accumulate={accumulate} seed={seed}")
+                   jnp.bfloat16, f"{fmt} grouped dequantized ({path}) {sizes} accumulate={accumulate} seed={seed}")
 
 
 @pytest.mark.parametrize("sizes", GROUPED_SIZES, ids=GROUPED_IDS)

@@ -381,8 +381,9 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
     them and they apply (`_cutlass_grouped_unfit`; `kernel="cutlass"` requires them), else the FP8 wgmma kernel
     (`kernel="wgmma"`; MXFP8 takes it with `kernel="wgmma"` too); both read group_sizes on the device (no host
     synchronisation) and promote their sums every 128-wide K step, unless `fast_accum` (per-tensor, CUTLASS or
-    cuBLASLt). MXFP8's dequantize path on a Hopper with CUTLASS (bf16 out, no bias) runs CUTLASS's bf16 grouped
-    kernel on the dequantized operands, the sizes on the device too (JAXHQ_DQ_GROUPED=host: the cuBLASLt loop).
+    cuBLASLt). The dequantize path of MXFP8 and NVFP4 on a Hopper with CUTLASS (bf16 out, no bias) runs CUTLASS's
+    bf16 grouped kernel on the dequantized operands (NVFP4's global scales as per-group alphas), the sizes on the
+    device too (JAXHQ_DQ_GROUPED=host: the cuBLASLt loop).
     Two high-precision (Identity) bf16 operands: CUTLASS's bf16 grouped kernel, sizes on the device.
     `kernel="cublaslt"` and the other cases read the sizes on the host (one stream synchronisation).
     """

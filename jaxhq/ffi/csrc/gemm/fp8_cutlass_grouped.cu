@@ -8,6 +8,7 @@
 #include "fp8_cutlass_grouped.h"
 
 #include "fp8_wgmma.h"  // zero_past_groups
+#include "numerics.h"   // nvfp4_global_decode
 
 #include <algorithm>
 #include <mutex>
@@ -179,7 +180,8 @@ __global__ void scales_mn_major_kernel(const float* __restrict__ sa, const int32
 template <typename K>
 __global__ void prologue_kernel(Tables<K> tab, const int32_t* __restrict__ gs, int groups, int64_t t, int n, int k,
                                 const void* a, const void* b, void* out, const float* __restrict__ sa,
-                                const float* __restrict__ sb) {
+                                const float* __restrict__ sb, const float* __restrict__ amax_a,
+                                const float* __restrict__ amax_b) {
   using TOut = typename K::Gemm::ElementD;
   for (int g = threadIdx.x; g < groups; g += blockDim.x) {
     int64_t start;
@@ -202,7 +204,10 @@ __global__ void prologue_kernel(Tables<K> tab, const int32_t* __restrict__ gs, i
       tab.layout_sfa[g] = K::ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, n, k, 1));
       tab.layout_sfb[g] = K::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, 1));
     } else {
-      tab.alpha[g] = sa ? sa[0] * sb[g] : 1.f;  // bf16 operands: no scales
+      // bf16 operands: no scales, or NVFP4's global ones (the factor the dense dequantize path's alpha applies)
+      tab.alpha[g] = sa       ? sa[0] * sb[g]
+                     : amax_a ? nvfp4_global_decode(amax_a[0]) * nvfp4_global_decode(amax_b[g])
+                              : 1.f;
     }
   }
 }
@@ -282,7 +287,8 @@ std::string run(const CutlassGrouped& p, cudaStream_t s) {
                                                 tab.scales_a, tab.scales_b);
   }
   prologue_kernel<K><<<1, int(std::min<int64_t>(p.groups, 1024)), 0, s>>>(
-      tab, p.group_sizes, int(p.groups), p.t, int(p.n), int(p.k), p.a, p.b, p.out, p.scale_a, p.scale_b);
+      tab, p.group_sizes, int(p.groups), p.t, int(p.n), int(p.k), p.a, p.b, p.out, p.scale_a, p.scale_b,
+      p.nvfp4_amax_a, p.nvfp4_amax_b);
   return launch(tab, args, p.workspace, p.workspace_bytes, s);
 }
 
@@ -399,7 +405,9 @@ std::string dispatch(const CutlassGrouped& p, F&& f) {
   if (p.b_e5m2) return "B in E5M2 has no grouped CUTLASS kernel";
   if (p.out_f32) return "fp32 output has no grouped CUTLASS kernel";
   if (p.bf16) {
-    if (p.blockwise || p.fast_accum || p.a_e5m2) return "bf16 operands take no scales or FP8 options";
+    if (p.blockwise || p.fast_accum || p.a_e5m2 || p.scale_a || p.scale_b)
+      return "bf16 operands take no scales or FP8 options";
+    if (!p.nvfp4_amax_a != !p.nvfp4_amax_b) return "NVFP4 global scales need both operands' amaxes";
     return f(Kernel<bf, bf, bf, Bf16>{});  // the same kernel as the bf16 grouping along K
   }
   if (p.blockwise) {

@@ -1,6 +1,6 @@
 // Grouped (MoE) FP8 GEMM on CUTLASS's sm90 pointer-array kernels (built when the CUTLASS headers are found;
 // JAXHQ_WITH_CUTLASS): out[t] = A[t] @ B[g]^T for the rows t of group g, scaled per tensor (sa * sb[g]) or per
-// block (A 1x128, B 128x128), or bf16 operands (no scales: dequantized MXFP8, the bf16 recipe), A [T, K] sorted by
+// block (A 1x128, B 128x128), or bf16 operands (no scales: dequantized MXFP8 or NVFP4, the bf16 recipe), A [T, K] sorted by
 // group, B [G, N, K], the group sizes [G] int32 read on the device (clamped to A's rows like the host path).
 // Rows past the groups are zeroed (kept when accumulating). CutlassKGrouped below groups along K instead (the MoE
 // wgrad). Each call returns "" or why it cannot run.
@@ -22,9 +22,13 @@ struct CutlassGrouped {
   void* out;                   // [t, n] bf16
   int64_t t, n, k, groups;
   bool a_e5m2, b_e5m2, out_f32, accumulate, fast_accum, blockwise;
-  bool bf16;        // bf16 operands, no scales (alpha 1)
+  bool bf16;        // bf16 operands, no scales (alpha 1, or the NVFP4 global scales below)
   void* workspace;  // cutlass_grouped_workspace_bytes of device memory
   int64_t workspace_bytes;
+  // bf16 operands decoded from NVFP4 (codes times block scales): the amaxes of their global scales, A's [1] and
+  // B's [groups]; alpha[g] = nvfp4_global_decode(amax_a) * nvfp4_global_decode(amax_b[g]). Null: alpha 1.
+  const float* nvfp4_amax_a = nullptr;
+  const float* nvfp4_amax_b = nullptr;
 };
 
 std::string cutlass_grouped_unsupported(const CutlassGrouped& p);

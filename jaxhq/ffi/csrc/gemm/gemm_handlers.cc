@@ -842,13 +842,14 @@ ffi::Error gemm_fp8_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ff
 }
 
 #ifdef JAXHQ_WITH_CUTLASS
-// The dequantize path of grouped MXFP8 with the group sizes read on the device: CUTLASS's bf16 grouped kernel
-// (fp8_cutlass_grouped.h) on the dequantized operands, so the call does not synchronise the stream. Taken on a
-// Hopper for bf16 output without bias; JAXHQ_DQ_GROUPED=host keeps the cuBLASLt loop over host-read sizes (A/B).
-bool dq_grouped_on_device(const LtCall& c, int32_t fmt_a, const gemm::CutlassGrouped& p) {
+// The dequantize path of grouped MXFP8 / NVFP4 with the group sizes read on the device: CUTLASS's bf16 grouped
+// kernel (fp8_cutlass_grouped.h) on the dequantized operands (NVFP4's global scales as per-group alphas), so the
+// call does not synchronise the stream. Taken on a Hopper for bf16 output without bias; JAXHQ_DQ_GROUPED=host
+// keeps the cuBLASLt loop over host-read sizes (A/B).
+bool dq_grouped_on_device(const LtCall& c, const gemm::CutlassGrouped& p) {
   const char* env = std::getenv("JAXHQ_DQ_GROUPED");
-  return fmt_a != kNvfp4 && !(env && std::string(env) == "host") && c.out_type == lt::kR16BF && !c.bias &&
-         compute_major() == 9 && gemm::cutlass_grouped_unsupported(p).empty();
+  return !(env && std::string(env) == "host") && c.out_type == lt::kR16BF && !c.bias && compute_major() == 9 &&
+         gemm::cutlass_grouped_unsupported(p).empty();
 }
 #endif
 
@@ -863,6 +864,12 @@ ffi::Error gemm_dq_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi
   const int64_t t = da[0], groups = db[0], n = db[1];
   if (auto e = check_dq(a, sa, 1, t, fmt_a, k, "A"); e.failure()) return e;
   if (auto e = check_dq(b, sb, groups, n, fmt_b, k, "B"); e.failure()) return e;
+  if (fmt_a == kNvfp4 && (amax_a.element_type() != ffi::DataType::F32 || amax_a.element_count() != 1 ||
+                          amax_b.element_type() != ffi::DataType::F32 || int64_t(amax_b.element_count()) != groups))
+    return invalid("grouped NVFP4: amax must be float32, a scalar for A and [G] for B, got " + dims(amax_a) +
+                   " and " + dims(amax_b));
+  const float* nv_amax_a = fmt_a == kNvfp4 ? static_cast<const float*>(amax_a.untyped_data()) : nullptr;
+  const float* nv_amax_b = fmt_a == kNvfp4 ? static_cast<const float*>(amax_b.untyped_data()) : nullptr;
   LtCall c{};
   c.n = n, c.k = k;
   if (auto e = check_grouped_out(t, groups, n, &bias, cin, out, accumulate, &c); e.failure()) return e;
@@ -875,13 +882,15 @@ ffi::Error gemm_dq_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi
   gemm::CutlassGrouped p{};
   p.a = dqa, p.b = dqb, p.group_sizes = static_cast<const int32_t*>(gs.untyped_data()), p.out = c.d;
   p.t = t, p.n = n, p.k = k, p.groups = groups, p.accumulate = c.accumulate, p.bf16 = true;
-  if (dq_grouped_on_device(c, fmt_a, p)) {
+  p.nvfp4_amax_a = nv_amax_a, p.nvfp4_amax_b = nv_amax_b;
+  if (dq_grouped_on_device(c, p)) {
     if (auto e = check_sizes(gs, groups); e.failure()) return e;
     p.workspace_bytes = gemm::cutlass_grouped_workspace_bytes(p);
     p.workspace = scratch.get(size_t(p.workspace_bytes));
     if (!p.workspace) return out_of_scratch(scratch, "the grouped kernel's tables");
     if (std::string e = gemm::cutlass_grouped_gemm(p, stream); !e.empty())
-      return invalid("grouped MXFP8 (dequantized, CUTLASS), A " + dims(a) + ": " + e);
+      return invalid(std::string(fmt_a == kNvfp4 ? "grouped NVFP4" : "grouped MXFP8") + " (dequantized, CUTLASS), A " +
+                     dims(a) + ": " + e);
     return ffi::Error::Success();
   }
 #endif
@@ -890,15 +899,10 @@ ffi::Error gemm_dq_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi
   c.type_a = c.type_b = lt::kR16BF;
   float* ab = nullptr;
   if (fmt_a == kNvfp4) {
-    if (amax_a.element_type() != ffi::DataType::F32 || amax_a.element_count() != 1 ||
-        amax_b.element_type() != ffi::DataType::F32 || int64_t(amax_b.element_count()) != groups)
-      return invalid("grouped NVFP4: amax must be float32, a scalar for A and [G] for B");
     ab = static_cast<float*>(scratch.get(2 * sizeof(float) * std::max<int64_t>(groups, 1)));
     if (!ab) return out_of_scratch(scratch, "alpha and beta");
     for (int64_t g = 0; g < groups; ++g) {
-      std::string e = gemm::nvfp4_alpha(static_cast<const float*>(amax_a.untyped_data()),
-                                        static_cast<const float*>(amax_b.untyped_data()) + g, accumulate ? 1.f : 0.f,
-                                        ab + 2 * g, stream);
+      std::string e = gemm::nvfp4_alpha(nv_amax_a, nv_amax_b + g, accumulate ? 1.f : 0.f, ab + 2 * g, stream);
       if (!e.empty()) return internal("alpha: " + e);
     }
   }
