@@ -7,13 +7,13 @@ split M into 8 experts, their weights stacked once outside the timing (ref = the
 path; xla_bf16_ragged_dot: XLA's bf16 `lax.ragged_dot`, jaxhq_bf16_grouped: jaxhq's (CUTLASS), ref = XLA
 bf16; FP8 grouped: the default kernel with the group sizes read on the device, CUTLASS's where built; `_wgmma`
 the hand-written one, `_unpaired` that one without its two-CTA clusters (JAXHQ_WGMMA_CLUSTER=1), `_lt` cuBLASLt
-per group with the sizes read on the host (MXFP8's and NVFP4's `_dq_host`: the dequantize path's cuBLASLt loop, where `_dq`
-is CUTLASS's bf16 grouped kernel with the sizes on the device); ref = the dense cuBLASLt kernel; `_fastacc` the
-per-tensor default with fast accumulation, ref = the dense cuBLASLt kernel with it). Every variant of a shape is
-compiled first, then all are timed in turn for --rounds rounds (median per variant), so clock drift during the
-run does not favour the first rows. jaxhq_fp8_block is 1x128 x 128x128 (forward, dgrad), jaxhq_fp8_block_1d1d
-1x128 x 1x128 (wgrad), and its `_segment` row the MoE wgrad: K cut into 8 segments, one [M, N] output each
-(`segment_gemm`, CUTLASS).
+per group with the sizes read on the host (MXFP8's and NVFP4's `_dq_host`: the dequantize path's cuBLASLt loop,
+where `_dq` is CUTLASS's bf16 grouped kernel with the sizes on the device); ref = the dense cuBLASLt kernel;
+`_fastacc` the per-tensor default with fast accumulation, ref = the dense cuBLASLt kernel with it). Every variant
+of a shape is compiled first, then all are timed in turn for --rounds rounds (median per variant), so clock drift
+during the run does not favour the first rows. jaxhq_fp8_block is 1x128 x 128x128 (forward, dgrad),
+jaxhq_fp8_block_1d1d 1x128 x 1x128 (wgrad), its `_segment8` row the MoE wgrad (K cut into 8 segments, one [M, N]
+output each: `segment_gemm`, CUTLASS) and `_segment1` the same dense GEMM on that CUTLASS kernel (one segment).
 Each shape's rows are printed as soon as that shape finishes; the JSON is rewritten after every shape.
 
     python benchmarks/gemm.py [--shapes 8192x8192x8192,16384x4096x14336] [--out FILE] [--quick]
