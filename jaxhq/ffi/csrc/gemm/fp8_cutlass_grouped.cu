@@ -4,299 +4,20 @@
 // workspace, and the persistent kernel's group scheduler walks them there. No host synchronisation and no
 // host-side per-group loop, so the call is recorded into CUDA graphs like the dense GEMMs. Two groupings: along
 // the rows of A (the forward and dgrad of MoE: each group's rows times its own weight) and along K (the wgrad:
-// each group's segment of the token axis, out[g] = A[:, seg] @ B[:, seg]^T).
-#include "fp8_cutlass_grouped.h"
-
-#include "fp8_wgmma.h"  // zero_past_groups
-#include "numerics.h"   // nvfp4_global_decode
-
-#include <algorithm>
-#include <mutex>
-
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/detail/blockwise_scale_layout.hpp"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/group_array_problem_shape.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
+// each group's segment of the token axis, out[g] = A[:, seg] @ B[:, seg]^T). This file: the blockwise and bf16
+// kernels, the grouping along K and the entry points; the per-tensor kernels are in fp8_cutlass_grouped_tensor.cu,
+// the shared machinery in cutlass_grouped.cuh.
+#include "cutlass_grouped.cuh"
 
 namespace jaxhq {
 namespace gemm {
 namespace {
 
-using namespace cute;
-using Shape3 = Shape<int, int, int>;
-using ProblemShape = cutlass::gemm::GroupProblemShape<Shape3>;
-
-// A kernel's configuration: its tile (M x N, K-wide steps: 128 for FP8), cluster and schedule (cooperative: two
-// consumer warpgroups split the tile's rows).
-template <int M, int N, int CM, int CN, typename S, int K = 128>
-struct Cfg {
-  using TileShape = Shape<Int<M>, Int<N>, Int<K>>;
-  using ClusterShape = Shape<Int<CM>, Int<CN>, _1>;
-  using Schedule = S;
-};
-
-// Chosen by measurement (docs/gemm.md, H100). Promoted: the FP8 mainloop adds the tensor core's partial sums
-// into FP32 registers every 128-wide K step, so a warpgroup holds its accumulators twice: 128 x 192 tiles (64 x
-// 192 per warpgroup, the widest that fits the registers), no cluster. Fast: no promotion, 128 x 256 tiles,
-// clusters of two along M sharing B's tile (TMA multicast). Blockwise: 1x128 A and 128x128 B scales applied at
-// each promotion (B's 128-wide scale blocks fix the tile's N), 128 x 128 tiles, clusters of two along M.
-using Promoted = Cfg<128, 192, 1, 1, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
-using Fast = Cfg<128, 256, 2, 1, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum>;
-using Blockwise = Cfg<128, 128, 2, 1, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
-// bf16 operands (the MXFP8 wgrad's decoded copies): 128 x 256 tiles, 64-wide K steps, clusters of two along M.
-using Bf16 = Cfg<128, 256, 2, 1, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative, 64>;
-
-// SFN: the columns of B (rows of the [N, K] operand) one blockwise scale covers: 128 (a 128x128 weight block) or
-// 1 (1x128 blocks of an activation or gradient, the wgrad's B).
-template <typename TA, typename TB, typename TOut, typename C, int SFN = 128>
-struct Kernel {
-  static constexpr bool kBlockwise = cute::is_same_v<C, Blockwise>;
-  using LayoutA = cutlass::layout::RowMajor;     // A [T, K]
-  using LayoutB = cutlass::layout::ColumnMajor;  // B [N, K] read as K x N
-  using LayoutD = cutlass::layout::RowMajor;     // out [T, N]
-  // blockwise scales, M- (N-) major: A's [ceil(K/128)][rows], B's [ceil(K/128)][ceil(N/SFN)] per group
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, SFN, 128>;
-  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
-  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-  using OperandA = cute::conditional_t<kBlockwise, cute::tuple<LayoutA*, LayoutSFA*>, LayoutA*>;
-  using OperandB = cute::conditional_t<kBlockwise, cute::tuple<LayoutB*, LayoutSFB*>, LayoutB*>;
-  static constexpr int kAlignAB = 16 / sizeof(TA), kAlignD = 16 / sizeof(TOut);
-
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename C::TileShape, typename C::ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, TOut, LayoutD*, kAlignD, TOut, LayoutD*, kAlignD,
-      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-      cutlass::epilogue::fusion::LinearCombination<TOut, float, TOut, float>>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TA, OperandA, kAlignAB, TB, OperandB, kAlignAB, float,
-      typename C::TileShape, typename C::ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      typename C::Schedule>::CollectiveOp;
-  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
-  using StrideA = typename GemmKernel::InternalStrideA;
-  using StrideB = typename GemmKernel::InternalStrideB;
-  using StrideD = typename GemmKernel::InternalStrideD;
-  static_assert(cute::is_same_v<StrideA, Stride<int64_t, _1, _0>> && cute::is_same_v<StrideB, Stride<int64_t, _1, _0>> &&
-                    cute::is_same_v<StrideD, Stride<int64_t, _1, _0>>,
-                "the prologue writes row strides (K, 1, 0) / (N, 1, 0)");
-};
-
-__host__ __device__ inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// The per-group tables the prologue writes, and the blockwise scales re-laid-out M-major, carved out of the
-// workspace's front (each piece 256-byte aligned); CUTLASS's own workspace follows.
-template <typename K>
-struct Tables {
-  Shape3* shapes;
-  const typename K::Gemm::ElementA** a;
-  const typename K::Gemm::ElementB** b;
-  typename K::Gemm::ElementD** d;
-  typename K::StrideA* sa;
-  typename K::StrideB* sb;
-  typename K::StrideD* sd;
-  float* alpha;
-  const float** sfa;  // blockwise: group g's A scales (into scales_a); layout_sfa / _sfb as the kernel derives them
-  const float** sfb;
-  typename K::LayoutSFA* layout_sfa;
-  typename K::LayoutSFB* layout_sfb;
-  float* scales_a;  // blockwise, M- (N-) major as the kernel reads them (see the prologues)
-  float* scales_b;
-  size_t bytes;
-
-  // count_a, count_b: the floats of the re-laid-out blockwise scales (0 for per-tensor kernels)
-  Tables(void* base, int64_t groups, int64_t count_a, int64_t count_b) {
-    char* p = static_cast<char*>(base);
-    size_t at = 0;
-    auto take = [&](auto*& field, size_t each, int64_t count) {
-      field = reinterpret_cast<std::remove_reference_t<decltype(field)>>(p ? p + at : nullptr);
-      at += (each * size_t(count) + 255) / 256 * 256;
-    };
-    take(shapes, sizeof(Shape3), groups);
-    take(a, sizeof(void*), groups);
-    take(b, sizeof(void*), groups);
-    take(d, sizeof(void*), groups);
-    take(sa, sizeof(typename K::StrideA), groups);
-    take(sb, sizeof(typename K::StrideB), groups);
-    take(sd, sizeof(typename K::StrideD), groups);
-    take(alpha, sizeof(float), groups);
-    const int64_t blk = K::kBlockwise ? 1 : 0;
-    take(sfa, sizeof(void*), blk * groups);
-    take(sfb, sizeof(void*), blk * groups);
-    take(layout_sfa, sizeof(typename K::LayoutSFA), blk * groups);
-    take(layout_sfb, sizeof(typename K::LayoutSFB), blk * groups);
-    take(scales_a, sizeof(float), blk * count_a);
-    take(scales_b, sizeof(float), blk * count_b);
-    bytes = at;
-  }
-};
-
-// Row grouping: A's scales of group g at ceil(k/128) * its first row ([kb][its rows]), B's [groups][kb][nb].
-template <typename K>
-Tables<K> row_tables(void* base, const CutlassGrouped& p) {
-  const int64_t kb = cdiv(p.k, 128);
-  return Tables<K>(base, p.groups, kb * p.t, p.groups * kb * cdiv(p.n, 128));
-}
-
-__device__ __forceinline__ int64_t clamp_rows(int32_t size, int64_t left) {
-  return size < 0 ? 0 : (int64_t(size) < left ? int64_t(size) : left);
-}
-
-// The first row of group g and its clamped size (one thread's loop over the sizes before it).
-__device__ __forceinline__ void group_rows(const int32_t* __restrict__ gs, int g, int64_t t, int64_t* start, int* m) {
-  int64_t at = 0;
-  for (int i = 0; i < g; ++i) at += clamp_rows(gs[i], t - at);
-  *start = at;
-  *m = int(clamp_rows(gs[g], t - at));
-}
-
-// Blockwise scales from the quantizers' K-major layouts (A [t][kb], B [groups][nb][kb]) to the M-major ones
-// CUTLASS's grouped kernel reads (it derives each group's scale layout from the group's problem shape): A's
-// scales of group g compact at kb * start, [kb][m]; B's [groups][kb][nb]. Block row y < groups re-lays group y of
-// A, the last one B; the writes are coalesced.
-__global__ void scales_mn_major_kernel(const float* __restrict__ sa, const int32_t* __restrict__ gs, int groups,
-                                       int64_t t, int64_t kb, const float* __restrict__ sb, int64_t nb, float* out_a,
-                                       float* out_b) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x, first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (int(blockIdx.y) == groups) {
-    for (int64_t j = first; j < groups * kb * nb; j += stride) {
-      const int64_t g = j / (kb * nb), r = j % (kb * nb);
-      out_b[j] = sb[(g * nb + r % nb) * kb + r / nb];
-    }
-    return;
-  }
-  __shared__ int64_t start;
-  __shared__ int m;
-  if (threadIdx.x == 0) group_rows(gs, int(blockIdx.y), t, &start, &m);
-  __syncthreads();
-  for (int64_t i = first; i < kb * m; i += stride) out_a[kb * start + i] = sa[(start + i % m) * kb + i / m];
-}
-
-// One block, one thread per group: group g's rows start where the clamped sizes before it end.
-template <typename K>
-__global__ void prologue_kernel(Tables<K> tab, const int32_t* __restrict__ gs, int groups, int64_t t, int n, int k,
-                                const void* a, const void* b, void* out, const float* __restrict__ sa,
-                                const float* __restrict__ sb, const float* __restrict__ amax_a,
-                                const float* __restrict__ amax_b) {
-  using TOut = typename K::Gemm::ElementD;
-  for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-    int64_t start;
-    int m;
-    group_rows(gs, g, t, &start, &m);
-    tab.shapes[g] = Shape3{m, n, k};
-    tab.a[g] = static_cast<const typename K::Gemm::ElementA*>(a) + start * k;
-    tab.b[g] = static_cast<const typename K::Gemm::ElementB*>(b) + int64_t(g) * n * k;
-    tab.d[g] = static_cast<TOut*>(out) + start * n;
-    // row strides of the K-major A and B and the row-major output (the other modes are static 1 and 0)
-    typename K::StrideA sta{};
-    typename K::StrideB stb{};
-    typename K::StrideD std_{};
-    get<0>(sta) = k, get<0>(stb) = k, get<0>(std_) = n;
-    tab.sa[g] = sta, tab.sb[g] = stb, tab.sd[g] = std_;
-    if constexpr (K::kBlockwise) {  // the group's scales, where scales_mn_major_kernel wrote them
-      const int64_t kb = cdiv(k, 128);
-      tab.sfa[g] = tab.scales_a + kb * start;
-      tab.sfb[g] = tab.scales_b + int64_t(g) * kb * cdiv(n, 128);
-      tab.layout_sfa[g] = K::ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, n, k, 1));
-      tab.layout_sfb[g] = K::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, 1));
-    } else {
-      // bf16 operands: no scales, or NVFP4's global ones (the factor the dense dequantize path's alpha applies)
-      tab.alpha[g] = sa       ? sa[0] * sb[g]
-                     : amax_a ? nvfp4_global_decode(amax_a[0]) * nvfp4_global_decode(amax_b[g])
-                              : 1.f;
-    }
-  }
-}
-
-int sm_count() {
-  static std::mutex mu;
-  static int counts[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
-  std::lock_guard<std::mutex> lock(mu);
-  if (counts[dev] == 0) counts[dev] = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(dev);
-  return counts[dev];
-}
-
-template <typename K>
-typename K::Gemm::Arguments arguments(const Tables<K>& tab, int64_t groups, bool accumulate) {
-  cutlass::KernelHardwareInfo hw;
-  cudaGetDevice(&hw.device_id);
-  hw.sm_count = sm_count();
-  typename K::Gemm::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {int(groups), tab.shapes, nullptr};  // the problem shapes live on the device only
-  if constexpr (K::kBlockwise)
-    args.mainloop = {tab.a, tab.sa, tab.b, tab.sb, tab.sfa, tab.layout_sfa, tab.sfb, tab.layout_sfb};
-  else
-    args.mainloop = {tab.a, tab.sa, tab.b, tab.sb};
-  args.epilogue = {{}, const_cast<const typename K::Gemm::ElementD**>(tab.d), tab.sd, tab.d, tab.sd};
-  args.hw_info = hw;
-  auto& f = args.epilogue.thread;
-  if constexpr (!K::kBlockwise) {
-    f.alpha_ptr = tab.alpha;  // one alpha per group: alpha_ptr[g]
-    f.dAlpha = {_0{}, _0{}, 1};
-  }
-  f.beta = accumulate ? 1.f : 0.f;  // out += result reads C = out in place
-  return args;
-}
-
-template <typename K>
-size_t workspace_bytes_of(const CutlassGrouped& p) {
-  Tables<K> tab = row_tables<K>(nullptr, p);
-  return tab.bytes + K::Gemm::get_workspace_size(arguments<K>(tab, p.groups, false));
-}
-
-// The workspace check and CUTLASS's launch, once the prologue has written the tables.
-template <typename K>
-std::string launch(const Tables<K>& tab, const typename K::Gemm::Arguments& args, void* workspace,
-                   int64_t workspace_bytes, cudaStream_t s) {
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return std::string("prologue: ") + cudaGetErrorString(e);
-  typename K::Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return "CUTLASS cannot implement this problem";
-  void* ws = static_cast<char*>(workspace) + tab.bytes;
-  if (cutlass::Status st = gemm.initialize(args, ws, s); st != cutlass::Status::kSuccess)
-    return std::string("CUTLASS initialize: ") + cutlassGetStatusString(st);
-  if (cutlass::Status st = gemm.run(s); st != cutlass::Status::kSuccess)
-    return std::string("CUTLASS run: ") + cutlassGetStatusString(st);
-  return "";
-}
-
-template <typename K>
-std::string enough(const Tables<K>& tab, const typename K::Gemm::Arguments& args, int64_t workspace_bytes) {
-  const size_t need = tab.bytes + K::Gemm::get_workspace_size(args);
-  return size_t(workspace_bytes) < need
-             ? "workspace of " + std::to_string(workspace_bytes) + " bytes, needs " + std::to_string(need)
-             : "";
-}
-
-template <typename K>
-std::string run(const CutlassGrouped& p, cudaStream_t s) {
-  Tables<K> tab = row_tables<K>(p.workspace, p);
-  auto args = arguments<K>(tab, p.groups, p.accumulate);
-  if (std::string e = enough(tab, args, p.workspace_bytes); !e.empty()) return e;
-  if constexpr (K::kBlockwise) {
-    const int64_t kb = cdiv(p.k, 128), nb = cdiv(p.n, 128);
-    const dim3 grid(unsigned(std::min<int64_t>(cdiv(kb * std::max(p.t / p.groups, p.groups * nb), 256), 256)),
-                    unsigned(p.groups + 1));
-    scales_mn_major_kernel<<<grid, 256, 0, s>>>(p.scale_a, p.group_sizes, int(p.groups), p.t, kb, p.scale_b, nb,
-                                                tab.scales_a, tab.scales_b);
-  }
-  prologue_kernel<K><<<1, int(std::min<int64_t>(p.groups, 1024)), 0, s>>>(
-      tab, p.group_sizes, int(p.groups), p.t, int(p.n), int(p.k), p.a, p.b, p.out, p.scale_a, p.scale_b,
-      p.nvfp4_amax_a, p.nvfp4_amax_b);
-  return launch(tab, args, p.workspace, p.workspace_bytes, s);
-}
-
 // ---- Grouped along K (the MoE wgrad): out[g] = A[:, seg g] @ B[:, seg g]^T, A [m, t] and B [n, t] FP8 with
 // 1x128 blocks along t on both (or bf16 values, no scales), consecutive segments of the sizes rounded up to 128
 // (each segment whole blocks).
-using KGroupedFp8 = Kernel<cutlass::float_e4m3_t, cutlass::float_e4m3_t, cutlass::bfloat16_t, Blockwise, 1>;
-using KGroupedBf16 = Kernel<cutlass::bfloat16_t, cutlass::bfloat16_t, cutlass::bfloat16_t, Bf16>;
+using KGroupedFp8 = Kernel<E4, E4, BF, Blockwise, 1>;
+using KGroupedBf16 = Kernel<BF, BF, BF, Bf16>;
 
 // A segment's length: its size rounded up to whole 128-blocks, clamped to the `left` columns (a multiple of 128).
 __device__ __forceinline__ int64_t segment_cols(int32_t size, int64_t left) {
@@ -395,28 +116,25 @@ std::string run_kgrouped(const CutlassKGrouped& p, cudaStream_t s) {
   return launch(tab, args, p.workspace, p.workspace_bytes, s);
 }
 
-// The instantiations, bf16 out: per-tensor (promoted or fast accumulation) E4M3 x E4M3 (forward) and E5M2 x E4M3
-// (dgrad of an E5M2 gradient); blockwise (1x128 A, 128x128 B) E4M3 x E4M3; bf16 x bf16 (dequantized MXFP8).
-template <typename F>
-std::string dispatch(const CutlassGrouped& p, F&& f) {
-  using e4 = cutlass::float_e4m3_t;
-  using e5 = cutlass::float_e5m2_t;
-  using bf = cutlass::bfloat16_t;
+// The row-grouped kernels of this file, bf16 out: blockwise (1x128 A, 128x128 B) E4M3 x E4M3, and bf16 x bf16
+// (dequantized MXFP8 / NVFP4, the bf16 recipe: the same kernel as the bf16 grouping along K). The per-tensor ones
+// (promoted or fast accumulation, E4M3 or E5M2 A) are in fp8_cutlass_grouped_tensor.cu.
+using BlockRows = Kernel<E4, E4, BF, Blockwise>;
+using Bf16Rows = KGroupedBf16;
+
+// Why no kernel takes p's operands and options ("" when one does).
+std::string no_kernel(const CutlassGrouped& p) {
   if (p.b_e5m2) return "B in E5M2 has no grouped CUTLASS kernel";
   if (p.out_f32) return "fp32 output has no grouped CUTLASS kernel";
   if (p.bf16) {
     if (p.blockwise || p.fast_accum || p.a_e5m2 || p.scale_a || p.scale_b)
       return "bf16 operands take no scales or FP8 options";
     if (!p.nvfp4_amax_a != !p.nvfp4_amax_b) return "NVFP4 global scales need both operands' amaxes";
-    return f(Kernel<bf, bf, bf, Bf16>{});  // the same kernel as the bf16 grouping along K
-  }
-  if (p.blockwise) {
+  } else if (p.blockwise) {
     if (p.fast_accum) return "blockwise scaling has no fast accumulation";
     if (p.a_e5m2) return "blockwise E5M2 A has no grouped CUTLASS kernel";  // the blockwise quantizer is E4M3
-    return f(Kernel<e4, e4, bf, Blockwise>{});
   }
-  if (p.fast_accum) return p.a_e5m2 ? f(Kernel<e5, e4, bf, Fast>{}) : f(Kernel<e4, e4, bf, Fast>{});
-  return p.a_e5m2 ? f(Kernel<e5, e4, bf, Promoted>{}) : f(Kernel<e4, e4, bf, Promoted>{});
+  return "";
 }
 
 }  // namespace
@@ -444,22 +162,22 @@ std::string cutlass_grouped_unsupported(const CutlassGrouped& p) {
   if (p.n % 8) return "N % 8 != 0 (output rows of 16 bytes)";
   if (p.groups > 1024) return "more than 1024 groups";
   if (p.t > INT32_MAX || p.n > INT32_MAX || p.k > INT32_MAX) return "a dimension past int32";
-  return dispatch(p, [](auto) { return std::string(); });
+  return no_kernel(p);
 }
 
 int64_t cutlass_grouped_workspace_bytes(const CutlassGrouped& p) {
-  int64_t bytes = 0;
-  dispatch(p, [&](auto kernel) {
-    bytes = int64_t(workspace_bytes_of<decltype(kernel)>(p));
-    return std::string();
-  });
-  return bytes;
+  if (!no_kernel(p).empty()) return 0;
+  return p.bf16        ? int64_t(workspace_bytes_of<Bf16Rows>(p))
+         : p.blockwise ? int64_t(workspace_bytes_of<BlockRows>(p))
+                       : tensor_grouped_workspace_bytes(p);
 }
 
 std::string cutlass_grouped_gemm(const CutlassGrouped& p, cudaStream_t s) {
   if (std::string why = cutlass_grouped_unsupported(p); !why.empty()) return why;
-  if (p.groups > 0 && p.t > 0 && p.n > 0)
-    if (std::string e = dispatch(p, [&](auto kernel) { return run<decltype(kernel)>(p, s); }); !e.empty()) return e;
+  if (p.groups > 0 && p.t > 0 && p.n > 0) {
+    const std::string e = p.bf16 ? run<Bf16Rows>(p, s) : p.blockwise ? run<BlockRows>(p, s) : tensor_grouped_gemm(p, s);
+    if (!e.empty()) return e;
+  }
   if (p.accumulate) return "";
   const std::string e = zero_past_groups(p.out, p.group_sizes, p.groups, p.t, p.n, p.out_f32, s);  // no groups: all
   return e.empty() ? "" : "zeroing the rows past the groups: " + e;

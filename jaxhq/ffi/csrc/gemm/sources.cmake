@@ -10,6 +10,8 @@ set(JAXHQ_GEMM_SOURCES
     "${JAXHQ_GEMM_DIR}/gemm_kernels.cu"
     "${JAXHQ_GEMM_DIR}/fp8_wgmma.cu"
     "${JAXHQ_GEMM_DIR}/nvfp4_wgmma.cu")
-set(JAXHQ_GEMM_CUTLASS_SOURCES "${JAXHQ_GEMM_DIR}/fp8_cutlass_grouped.cu")
+# two files, so the build compiles the kernels of each in parallel (cutlass_grouped.cuh)
+set(JAXHQ_GEMM_CUTLASS_SOURCES "${JAXHQ_GEMM_DIR}/fp8_cutlass_grouped.cu"
+    "${JAXHQ_GEMM_DIR}/fp8_cutlass_grouped_tensor.cu")
 set(JAXHQ_GEMM_INCLUDES "${JAXHQ_GEMM_DIR}")
 set(JAXHQ_GEMM_LIBS ${CMAKE_DL_LIBS})
