@@ -50,7 +50,8 @@ struct Cfg {
 using Promoted = Cfg<128, 192, 1, 1, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
 using Fast = Cfg<128, 256, 2, 1, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum>;
 using Blockwise = Cfg<128, 128, 2, 1, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
-// bf16 operands (the MXFP8 wgrad's decoded copies): 128 x 256 tiles, 64-wide K steps, clusters of two along M.
+// bf16 operands (decoded MXFP8 / NVFP4 copies, the bf16 recipe): 128 x 256 tiles, 64-wide K steps, clusters of
+// two along M.
 using Bf16 = Cfg<128, 256, 2, 1, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative, 64>;
 
 using E4 = cutlass::float_e4m3_t;
