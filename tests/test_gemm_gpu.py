@@ -749,7 +749,7 @@ def test_segment_gemm(fmt, sizes):
     clamped to T, zeros for an empty one; FP8 with 1x128 blocks along T on both operands, or bf16 values (decoded
     MXFP8 copies, high-precision ones: a bf16 kernel); M = 1000 (a partial tile row), N = 1064 (a partial tile
     column), T = 1152."""
-    _cutlass_only()  # the grouped-along-K kernels build with the row-grouped ones (one source file)
+    _cutlass_only()  # the grouped-along-K kernels build with the row-grouped ones (the same CUTLASS sources)
     rng, seed = _rng()
     m, n, t = 1000, 1064, 1152
     q, dec = {"block": (Float8Block((1, 128)), ()), "mxfp8": (MXFP8("e4m3"), ("rowwise",)),

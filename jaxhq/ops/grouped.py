@@ -92,11 +92,10 @@ def to_segments(x, group_sizes):
     rows, num = x.shape[0], jnp.shape(group_sizes)[0]
     ends = jnp.minimum(jnp.cumsum(jnp.maximum(jnp.asarray(group_sizes, jnp.int32), 0)), rows)
     sizes = jnp.diff(ends, prepend=0)
-    seg = -(-sizes // ROW_BLOCK) * ROW_BLOCK
-    seg_ends = jnp.cumsum(seg)
+    seg, seg_starts = _starts(-(-sizes // ROW_BLOCK) * ROW_BLOCK)
     r = jnp.arange(round_rows(rows + num * (ROW_BLOCK - 1)))
-    g = jnp.clip(jnp.searchsorted(seg_ends, r, side="right"), 0, num - 1)
-    pos = r - (seg_ends - seg)[g]
+    g = group_of_rows(seg, r.shape[0])
+    pos = r - seg_starts[g]
     src = jnp.clip(ends[g] - sizes[g] + pos, 0, rows - 1)
     return jnp.where((pos < sizes[g])[:, None], x[src], jnp.zeros((), x.dtype)), seg
 

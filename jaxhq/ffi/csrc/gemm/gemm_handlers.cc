@@ -864,6 +864,7 @@ ffi::Error gemm_dq_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi
   const int64_t t = da[0], groups = db[0], n = db[1];
   if (auto e = check_dq(a, sa, 1, t, fmt_a, k, "A"); e.failure()) return e;
   if (auto e = check_dq(b, sb, groups, n, fmt_b, k, "B"); e.failure()) return e;
+  if (auto e = check_sizes(gs, groups); e.failure()) return e;
   if (fmt_a == kNvfp4 && (amax_a.element_type() != ffi::DataType::F32 || amax_a.element_count() != 1 ||
                           amax_b.element_type() != ffi::DataType::F32 || int64_t(amax_b.element_count()) != groups))
     return invalid("grouped NVFP4: amax must be float32, a scalar for A and [G] for B, got " + dims(amax_a) +
@@ -884,7 +885,6 @@ ffi::Error gemm_dq_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi
   p.t = t, p.n = n, p.k = k, p.groups = groups, p.accumulate = c.accumulate, p.bf16 = true;
   p.nvfp4_amax_a = nv_amax_a, p.nvfp4_amax_b = nv_amax_b;
   if (dq_grouped_on_device(c, p)) {
-    if (auto e = check_sizes(gs, groups); e.failure()) return e;
     p.workspace_bytes = gemm::cutlass_grouped_workspace_bytes(p);
     p.workspace = scratch.get(size_t(p.workspace_bytes));
     if (!p.workspace) return out_of_scratch(scratch, "the grouped kernel's tables");
