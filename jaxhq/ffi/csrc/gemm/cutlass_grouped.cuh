@@ -9,6 +9,7 @@
 #include "numerics.h"   // nvfp4_global_decode
 
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
 
 #include "cute/tensor.hpp"
@@ -230,6 +231,25 @@ int sm_count() {
   return counts[dev];
 }
 
+// The order the persistent kernels visit a problem's output tiles in: along M or N, in bands of `swizzle` (1, 2,
+// 4 or 8) tiles across. Along M in bands of 4 by measurement (docs/gemm.md, "Tile order": CUTLASS's default for
+// grouped problems, bands of 1, ran the per-tensor grouped and the K-grouped kernels 2-8% slower on the H200; along
+// N was slower still). JAXHQ_CUTLASS_SWIZZLE and JAXHQ_CUTLASS_RASTER (m or n), read at each launch, override it.
+struct TileOrder {
+  int swizzle = 4;
+  bool along_n = false;
+};
+
+TileOrder tile_order() {
+  TileOrder o;
+  if (const char* v = std::getenv("JAXHQ_CUTLASS_SWIZZLE")) {
+    const int s = std::atoi(v);
+    if (s == 1 || s == 2 || s == 4 || s == 8) o.swizzle = s;
+  }
+  if (const char* v = std::getenv("JAXHQ_CUTLASS_RASTER")) o.along_n = (v[0] == 'n' || v[0] == 'N');
+  return o;
+}
+
 template <typename K>
 typename K::Gemm::Arguments arguments(const Tables<K>& tab, int64_t groups, bool accumulate) {
   cutlass::KernelHardwareInfo hw;
@@ -244,6 +264,10 @@ typename K::Gemm::Arguments arguments(const Tables<K>& tab, int64_t groups, bool
     args.mainloop = {tab.a, tab.sa, tab.b, tab.sb};
   args.epilogue = {{}, const_cast<const typename K::Gemm::ElementD**>(tab.d), tab.sd, tab.d, tab.sd};
   args.hw_info = hw;
+  const TileOrder order = tile_order();
+  using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
+  args.scheduler.max_swizzle_size = order.swizzle;
+  args.scheduler.raster_order = order.along_n ? Raster::AlongN : Raster::AlongM;
   auto& f = args.epilogue.thread;
   if constexpr (!K::kBlockwise) {
     f.alpha_ptr = tab.alpha;  // one alpha per group: alpha_ptr[g]
