@@ -233,7 +233,7 @@ rng = np.random.default_rng(int(sys.argv[1]))
 m, k, n = 1024, 2048, 1536
 x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
 w = jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32)
-for name, qa, qb, fn in (
+for name, qa, qb, fn in () if sys.argv[2] == "graphs" else (
         ("fp8", Float8CurrentScaling("e4m3"), Float8CurrentScaling("e4m3"), G.fp8_gemm),
         ("fp8_block", Float8Block((1, 128)), Float8Block((128, 128)), G.fp8_gemm),
         ("mxfp8_dq", MXFP8("e4m3"), MXFP8("e4m3"), lambda a, b, d: G.blockscaled_gemm(a, b, d, kernel="dequantize"))):
@@ -241,25 +241,67 @@ for name, qa, qb, fn in (
     ref = np.asarray(a.dequantize(), np.float64) @ np.asarray(b.dequantize(), np.float64).T
     out = np.asarray(jax.jit(lambda a, b: fn(a, b, jnp.float32))(a, b), np.float64)
     print(name, float(np.linalg.norm(out - ref) / np.linalg.norm(ref)), flush=True)
+if sys.argv[2] != "graphs":
+    sys.exit(0)
+# One program that XLA records into a CUDA graph (the test's XLA_FLAGS), an accumulating call among its GEMMs (tuned
+# on stand-ins); run twice (the replay).
+mc = 1152
+xc = jnp.asarray(rng.standard_normal((mc, k)), jnp.float32)
+cc = jnp.asarray(rng.standard_normal((mc, n)), jnp.float32)
+ops = {}
+for name, qa, qb in (("fp8", Float8CurrentScaling("e4m3"), Float8CurrentScaling("e4m3")),
+                     ("fp8_block", Float8Block((1, 128)), Float8Block((128, 128)))):
+    ops[name] = (quantize(xc, qa, "rowwise").rowwise, quantize(w, qb, "rowwise").rowwise)
+def step(ops, c):
+    (a0, b0), (a1, b1) = ops["fp8"], ops["fp8_block"]
+    return {"captured_fp8": G.fp8_gemm(a0, b0, jnp.float32) * 2.0,
+            "captured_fp8_block": G.fp8_gemm(a1, b1, jnp.float32) + 1.0,
+            "captured_fp8_accumulate": G.fp8_gemm(a0, b0, jnp.float32, accumulate=c)}
+refs = {}
+for name, (a, b) in ops.items():
+    refs[name] = np.asarray(a.dequantize(), np.float64) @ np.asarray(b.dequantize(), np.float64).T
+refs = {"captured_fp8": 2.0 * refs["fp8"], "captured_fp8_block": refs["fp8_block"] + 1.0,
+        "captured_fp8_accumulate": refs["fp8"] + np.asarray(cc, np.float64)}
+fn = jax.jit(step)
+for _ in range(2):
+    outs = fn(ops, cc)
+for name, out in outs.items():
+    out = np.asarray(out, np.float64)
+    print(name, float(np.linalg.norm(out - refs[name]) / np.linalg.norm(refs[name])), flush=True)
 """
 
 
 def test_algorithm_tuning():
     """The first call of a GEMM configuration times cuBLASLt's candidate algorithms and keeps the fastest
-    (JAXHQ_GEMM_TUNE): the tuning runs (its verbose lines name a chosen candidate for each kernel's call) and
-    the chosen algorithm's result holds the same bound. A fresh process, as the setting is read once."""
+    (JAXHQ_GEMM_TUNE): on the call's own operands, or on stand-ins where it accumulates or XLA captures it into a
+    CUDA graph before it ever ran. The tuning runs (its verbose lines name a chosen candidate for each
+    configuration, and how it was timed) and the chosen algorithms' results hold the bound, replayed from the
+    graph too. Fresh processes, as the setting is read once: one without CUDA graphs, one recording every custom
+    call into them."""
     import subprocess
     import sys
     seed = secrets.randbits(32)
-    env = dict(os.environ, JAXHQ_GEMM_TUNE="verbose", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    r = subprocess.run([sys.executable, "-c", _TUNE_SCRIPT, str(seed)], env=env, capture_output=True, text=True,
-                       timeout=240)
-    assert r.returncode == 0, r.stderr[-2000:]
-    tuned = re.findall(r"jaxhq gemm tune \S+: candidate (\d+) of (\d+)", r.stderr)
-    assert len(tuned) >= 3, f"expected a tuning line per kernel call, got: {r.stderr[-2000:]}"
-    assert all(0 <= int(i) < int(n) for i, n in tuned)
-    errs = dict(line.split() for line in r.stdout.strip().splitlines())
-    assert set(errs) == {"fp8", "fp8_block", "mxfp8_dq"}, r.stdout
+    errs, lines = {}, {}
+    for mode, graphs in (("plain", ""), ("graphs", "FUSION,CUSTOM_CALL")):
+        flags = " ".join([os.environ.get("XLA_FLAGS", ""), f"--xla_gpu_enable_command_buffer={graphs}",
+                          "--xla_gpu_graph_min_graph_size=1"])
+        env = dict(os.environ, JAXHQ_GEMM_TUNE="verbose", XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_FLAGS=flags)
+        r = subprocess.run([sys.executable, "-c", _TUNE_SCRIPT, str(seed), mode], env=env, capture_output=True,
+                           text=True, timeout=240)
+        assert r.returncode == 0, r.stderr[-2000:]
+        lines[mode] = re.findall(r"jaxhq gemm tune (\S+): candidate (\d+) of (\d+), [^\n]*?ms\)(.*)", r.stderr)
+        assert lines[mode], f"{mode}: no tuning line: {r.stderr[-2000:]}"
+        assert all(0 <= int(i) < int(n) for _, i, n, _ in lines[mode])
+        errs.update(line.split() for line in r.stdout.strip().splitlines())
+    # a line per configuration: the three kernels' plain calls, each on its own operands (or one candidate)
+    assert len(lines["plain"]) >= 3 and all(how in ("", " (one candidate)") for *_, how in lines["plain"]), lines
+    # in the graph: promoted FP8 and blockwise (on their operands where XLA's first run of the graph goes op by
+    # op, on stand-ins where it captures them at once) and the accumulating call, on stand-ins either way
+    assert len(lines["graphs"]) >= 3 and all(how in ("", " on stand-ins", " (one candidate)")
+                                             for *_, how in lines["graphs"]), lines
+    assert any(how == " on stand-ins" for *_, how in lines["graphs"]), lines
+    assert set(errs) == {"fp8", "fp8_block", "mxfp8_dq", "captured_fp8", "captured_fp8_block",
+                         "captured_fp8_accumulate"}, errs
     for name, err in errs.items():
         ERRORS.append({"case": f"tuned {name} seed={seed}", "rel_err": float(err)})
         assert float(err) < TOL[jnp.float32], f"tuned {name}: relative error {err} (seed {seed})"

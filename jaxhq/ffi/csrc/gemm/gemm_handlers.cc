@@ -28,6 +28,7 @@
 #include <mutex>
 #include <vector>
 #include <string>
+#include <thread>
 #include <unordered_map>
 
 #include "bindings.h"
@@ -276,11 +277,98 @@ std::vector<float> time_candidates(cudaStream_t stream, lt::Handle h, const Desc
   return total;
 }
 
+// The index of the fastest of cuBLASLt's candidates r[0..n) for `c` (0 when none beats the first pick by more
+// than kMargin), timed on c's operands, its output written by every timed run.
+int fastest(cudaStream_t stream, lt::Handle h, const Descs& ds, const LtCall& c, const lt::Heuristic* r, int n,
+            void* ws, float* best_ms, float* first_ms) {
+  *best_ms = *first_ms = -1.0f;
+  if (n < 2) return 0;
+  const std::vector<float> t = time_candidates(stream, h, ds, c, r, n, ws);
+  int chosen = 0;
+  float best = -1.0f;
+  for (int i = 0; i < n; ++i)
+    if (t[i] >= 0 && (best < 0 || t[i] < best)) best = t[i], chosen = i;
+  if (t[0] >= 0 && best > t[0] * (1.0f - kMargin)) best = t[0], chosen = 0;  // near-ties keep the heuristic's pick
+  *best_ms = best / (kTimed * kRounds), *first_ms = t[0] / (kTimed * kRounds);
+  return chosen;
+}
+
+// A pointer into `base` (256-byte aligned) with the alignment of `like` (at most 256), so that cuBLASLt, told the
+// stand-in's alignments, offers the real call's candidates.
+char* aligned_like(char* base, const void* like) {
+  const uint32_t a = alignment_of(like);
+  return base + (a < 256 ? a : 0);
+}
+
+// Times the candidates for `c` on stand-ins of its operands, scales, bias, alpha/beta and output (same shapes,
+// types, modes and alignments; constant values) allocated on a stream of a thread of its own. So it runs while
+// XLA captures the caller's stream into a CUDA graph (a capture forbids the capturing thread to synchronise, not
+// another thread) and for an accumulating call (the stand-in output takes the timed runs' sums). Returns the
+// chosen index into cuBLASLt's candidates for the stand-ins, whose list *r_out receives (n_out entries).
+std::string tune_on_standins(lt::Handle h, const LtCall& c, bool fused, uint32_t align_d, lt::Heuristic* r_out,
+                             int* n_out, int* chosen, float* best_ms, float* first_ms) {
+  int dev = 0;
+  cudaGetDevice(&dev);
+  std::string err;
+  std::thread worker([&] {
+    cudaSetDevice(dev);
+    cudaStream_t st = nullptr;
+    if (cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess) {
+      err = "tuning stream";
+      return;
+    }
+    auto elem = [](int32_t t) -> size_t { return t == lt::kR8F_E4M3 || t == lt::kR8F_E5M2 ? 1 : t == lt::kR32F ? 4 : 2; };
+    const size_t out_bytes = elem(c.out_type), kb = size_t(cdiv(c.k, 128));
+    // scales of any layout the handler stages (rows padded to 128, K blocks to 16), or one scalar
+    auto scale_bytes = [&](int64_t rows, int32_t mode) -> size_t {
+      return mode == lt::kScaleScalar ? 4 : size_t(rup(rows, 128) + 128) * (kb + 16) * 4;
+    };
+    const size_t sizes[7] = {size_t(c.m) * c.k * elem(c.type_a), size_t(c.n) * c.k * elem(c.type_b),
+                             size_t(c.m) * c.n * out_bytes, c.scale_a ? scale_bytes(c.m, c.mode_a) : 0,
+                             c.scale_b ? scale_bytes(c.n, c.mode_b) : 0, c.bias ? size_t(c.n) * out_bytes : 0,
+                             kWorkspace + (c.alpha_beta ? 2 * sizeof(float) : 0)};
+    void* mem[7] = {};
+    bool ok = true;
+    for (int i = 0; i < 7 && ok; ++i)
+      if (sizes[i]) {
+        ok = cudaMallocAsync(&mem[i], sizes[i] + 256, st) == cudaSuccess;
+        // FP8 codes 0x3A (1.25 in E4M3), bf16 0x3A3A, scales 0x3F3F3F3F (0.75), bias / alpha / beta 0
+        if (ok) cudaMemsetAsync(mem[i], i < 2 ? 0x3A : i < 5 ? 0x3F : 0, sizes[i] + 256, st);
+      }
+    if (ok) {
+      LtCall p = c;
+      char* m[7];
+      for (int i = 0; i < 7; ++i) m[i] = static_cast<char*>(mem[i]);
+      p.a = aligned_like(m[0], c.a), p.b = aligned_like(m[1], c.b), p.d = aligned_like(m[2], c.d);
+      p.scale_a = c.scale_a ? m[3] : nullptr, p.scale_b = c.scale_b ? m[4] : nullptr;
+      p.bias = c.bias ? aligned_like(m[5], c.bias) : nullptr;
+      p.alpha_beta = c.alpha_beta ? reinterpret_cast<const float*>(m[6] + kWorkspace) : nullptr;
+      Descs ds;
+      err = build(p, fused, align_d, &ds);
+      if (err.empty()) {
+        lt::Status s = lt::api().MatmulAlgoGetHeuristic(h, ds.op, ds.la, ds.lb, ds.lc, ds.lc, ds.pref, kCandidates,
+                                                        r_out, n_out);
+        if (s != 0 || *n_out < 1) *n_out = 0;
+        else *chosen = fastest(st, h, ds, p, r_out, *n_out, m[6], best_ms, first_ms);
+      }
+    } else {
+      err = "tuning buffers";
+    }
+    for (void* q : mem)
+      if (q) cudaFreeAsync(q, st);
+    cudaStreamSynchronize(st);
+    cudaStreamDestroy(st);
+    cudaGetLastError();  // a refused candidate or allocation leaves no sticky error; clear the last one
+  });
+  worker.join();
+  return err;
+}
+
 // Finds (and caches) an algorithm; *found = false when cuBLASLt has none for this configuration. The first call
-// of a configuration times cuBLASLt's candidates on its own operands and keeps the fastest when it beats the
-// first pick by more than kMargin (docs/gemm.md, "Algorithm choice", has the H100 figures). Not while the stream
-// is being captured into a CUDA graph (no synchronisation is allowed then: the first pick, not cached), nor for an
-// accumulating call (each timed run would add into the output).
+// of a configuration times cuBLASLt's candidates and keeps the fastest when it beats the first pick by more than
+// kMargin (docs/gemm.md, "Algorithm choice", has the figures): on its own operands where it can, or on stand-ins
+// (tune_on_standins) for an accumulating call and while XLA captures the stream into a CUDA graph (a call recorded
+// before it ever ran; the pick of a capture whose stand-ins failed is not cached, so a later call tunes).
 std::string get_plan(lt::Handle h, const LtCall& c, bool fused, uint32_t align_d, Descs* ds, Plan* plan,
                      cudaStream_t stream = nullptr, void* ws = nullptr) {
   static std::mutex mu;
@@ -301,39 +389,39 @@ std::string get_plan(lt::Handle h, const LtCall& c, bool fused, uint32_t align_d
   }
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (stream) cudaStreamIsCapturing(stream, &capture);
-  const bool tune = stream && ws && tuning_mode() && !c.accumulate && capture == cudaStreamCaptureStatusNone;
+  const bool tune = stream && ws && tuning_mode();
+  const bool on_operands = tune && !c.accumulate && capture == cudaStreamCaptureStatusNone;
   int n = 0;
   lt::Heuristic r[kCandidates];
   std::memset(r, 0, sizeof(r));
   lt::Status s = lt::api().MatmulAlgoGetHeuristic(h, ds->op, ds->la, ds->lb, ds->lc, ds->lc, ds->pref,
                                                   tune ? kCandidates : 1, r, &n);
   plan->found = (s == 0 && n > 0);
-  if (!plan->found) {
-    std::lock_guard<std::mutex> lock(mu);
-    cache[key] = *plan;
-    return "";
-  }
-  plan->h = r[0];
-  if (tune) {
-    float best = -1.0f, first = -1.0f;
+  bool standins = false;  // tuned on stand-ins
+  if (plan->found) {
+    plan->h = r[0];
     int chosen = 0;
-    if (n > 1) {
-      const std::vector<float> t = time_candidates(stream, h, *ds, c, r, n, ws);
-      first = t[0];
-      for (int i = 0; i < n; ++i)
-        if (t[i] >= 0 && (best < 0 || t[i] < best)) best = t[i], chosen = i;
-      // Near-ties keep the heuristic's pick.
-      if (first >= 0 && best > first * (1.0f - kMargin)) best = first, chosen = 0;
-      plan->h = r[chosen];
+    float best = -1.0f, first = -1.0f;
+    if (on_operands) {
+      chosen = fastest(stream, h, *ds, c, r, n, ws, &best, &first);
+    } else if (tune && n > 1) {
+      lt::Heuristic rs[kCandidates];
+      std::memset(rs, 0, sizeof(rs));
+      int ns = 0, cs = 0;
+      // the stand-ins' pick, where it is one of this call's candidates (the same problem, types and alignments)
+      if (tune_on_standins(h, c, fused, align_d, rs, &ns, &cs, &best, &first).empty())
+        for (int i = 0; i < n && !standins; ++i)
+          if (cs < ns && std::memcmp(&r[i].algo, &rs[cs].algo, sizeof(r[i].algo)) == 0) chosen = i, standins = true;
     }
-    if (tuning_mode() == 2)
-      fprintf(stderr, "jaxhq gemm tune %s: candidate %d of %d, %.4f ms (first %.4f ms)\n", key.c_str(), chosen, n,
-              best / (kTimed * kRounds), first / (kTimed * kRounds));
+    plan->h = r[chosen];
+    if (tuning_mode() == 2 && tune)
+      fprintf(stderr, "jaxhq gemm tune %s: candidate %d of %d, %.4f ms (first %.4f ms)%s\n", key.c_str(), chosen, n,
+              best, first, n < 2 ? " (one candidate)" : on_operands ? "" : standins ? " on stand-ins"
+                                                                      : " (stand-ins: no pick, the first)");
   }
-  if (capture == cudaStreamCaptureStatusNone) {
-    std::lock_guard<std::mutex> lock(mu);
-    cache[key] = *plan;
-  }
+  if (capture != cudaStreamCaptureStatusNone && tune && n > 1 && !standins) return "";  // untuned: not kept
+  std::lock_guard<std::mutex> lock(mu);
+  cache[key] = *plan;
   return "";
 }
 
