@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import flax.linen as nn
 import jax
@@ -86,6 +87,7 @@ def prepare(variant: str, d: int, ff: int, tokens: int):
     model = Stack(ff, variant)
     fn = step_fn(model)
     variables = settle(fn, model.init({"params": jax.random.key(2), "quant": jax.random.key(3)}, x), x)
+    jax.block_until_ready(fn(variables, x))  # compiled (where settling has not run it yet)
     return fn, variables, x
 
 
@@ -101,7 +103,11 @@ def main():
     for shape in shapes.split(","):
         d, ff, tokens = (int(v) for v in shape.split("x"))
         variants = ["flax_bf16", "flax_fp8"] + a.recipes.split(",")
-        ready = {v: prepare(v, d, ff, tokens) for v in variants}
+        ready = {}
+        for v in variants:  # every variant compiled and settled first (XLA's FP8 autotuning takes a while)
+            t0 = time.perf_counter()
+            ready[v] = prepare(v, d, ff, tokens)
+            print(f"  {shape} {v}: ready in {time.perf_counter() - t0:.1f} s", flush=True)
         ms = {v: [] for v in variants}
         for _ in range(a.rounds):  # the variants in turn, round after round: drift hits all alike
             for v in variants:
@@ -117,8 +123,9 @@ def main():
         for r in rows:
             if r["shape"] == shape:
                 r["vs_flax_fp8"] = r["ms"] / flax_fp8
+        path = write_json("peer_fp8", rows, a.out)  # after every shape: a run cut short keeps what it timed
     print_table(rows, ["shape", "variant", "ms", "vs_flax_bf16", "vs_flax_fp8"])
-    print("wrote", write_json("peer_fp8", rows, a.out))
+    print("wrote", path)
 
 
 if __name__ == "__main__":
