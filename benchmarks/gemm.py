@@ -15,8 +15,11 @@ during the run does not favour the first rows. jaxhq_fp8_block is 1x128 x 128x12
 jaxhq_fp8_block_1d1d 1x128 x 1x128 (wgrad), its `_segment8` row the MoE wgrad (K cut into 8 segments, one [M, N]
 output each: `segment_gemm`, CUTLASS) and `_segment1` the same dense GEMM on that CUTLASS kernel (one segment).
 Each shape's rows are printed as soon as that shape finishes; the JSON is rewritten after every shape.
+--chain N times N calls of each variant in one jitted program, each on its own copy of the operands (no call is
+merged with another), and reports the time per call: at small shapes (a d 1024 model's GEMMs, tens of us) a
+standalone call's host dispatch outlasts the GEMM, while in a training step XLA launches them from its graphs.
 
-    python benchmarks/gemm.py [--shapes 8192x8192x8192,16384x4096x14336] [--out FILE] [--quick]
+    python benchmarks/gemm.py [--shapes 8192x8192x8192,16384x4096x14336] [--chain 8] [--out FILE] [--quick]
 
 A shape is MxKxN (out[M, N] = A[M, K] @ B[N, K].T).
 """
@@ -157,6 +160,12 @@ REF = {f"xla_bf16_ragged_dot_grouped{GROUPS}": "xla_bf16", f"jaxhq_bf16_grouped{
 COLUMNS = ["M", "K", "N", "kernel", "ms", "tflops", "x_bf16", "x_ref", "ref"]
 
 
+def chained(fn, args: tuple, n: int):
+    """(program, its arguments): n calls of fn in one jitted program, each on its own copy of args."""
+    copies = [args] + [jax.tree.map(lambda t: jnp.array(t, copy=True), args) for _ in range(n - 1)]
+    return jax.jit(lambda cs: [fn(*c) for c in cs]), (copies,)
+
+
 def _shape(text: str) -> tuple:
     try:
         m, k, n = (int(v) for v in text.lower().split("x"))
@@ -170,6 +179,7 @@ def main():
     p.add_argument("--shapes", default=None, help="comma-separated MxKxN list (default: the four shapes above)")
     p.add_argument("--rounds", type=int, default=3, help="timing rounds over all variants (median per variant)")
     p.add_argument("--xla-scaled", action="store_true", help="also time XLA's scaled FP8 dot (jaxhq's XLA FP8 path)")
+    p.add_argument("--chain", type=int, default=1, help="calls per jitted program, each on its own operands' copy")
     args = p.parse_args()
     if args.shapes:
         shapes = [_shape(t) for t in args.shapes.split(",") if t]
@@ -181,6 +191,8 @@ def main():
         key, sub = jax.random.split(key)
         t0 = time.perf_counter()
         vs = variants(m, k, n, sub, args.xla_scaled)
+        if args.chain > 1:
+            vs = {name: chained(fn, a, args.chain) + tuple(env) for name, (fn, a, *env) in vs.items()}
         print(f"{m}x{k}x{n}: operands in {time.perf_counter() - t0:.1f} s", flush=True)
         base, times, failed = {}, {name: [] for name in vs}, set()
         for name, (fn, a, *env) in vs.items():  # compile (and tune) every variant first
@@ -196,12 +208,13 @@ def main():
             for name, (fn, a, *env) in vs.items():
                 if name not in failed:
                     with environ(*env):
-                        times[name].append(time_back_to_back(fn, *a)[0])
+                        times[name].append(time_back_to_back(fn, *a)[0] / args.chain)
         for name in vs:
             t = sorted(times[name])[len(times[name]) // 2] if times[name] else None
             tf = None if t is None else 2.0 * m * n * k / t / 1e12
             base[name] = tf
-            rows.append({"M": m, "K": k, "N": n, "kernel": name, "ms": None if t is None else t * 1e3, "tflops": tf,
+            rows.append({"M": m, "K": k, "N": n, "kernel": name, "chain": args.chain,
+                         "ms": None if t is None else t * 1e3, "tflops": tf,
                          "tflops_rounds": [round(2.0 * m * n * k / x / 1e12, 1) for x in times[name]]})
         mine = rows[-len(vs):]
         for r in mine:
