@@ -13,7 +13,8 @@ where `_dq` is CUTLASS's bf16 grouped kernel with the sizes on the device); ref 
 of a shape is compiled first, then all are timed in turn for --rounds rounds (median per variant), so clock drift
 during the run does not favour the first rows. jaxhq_fp8_block is 1x128 x 128x128 (forward, dgrad),
 jaxhq_fp8_block_1d1d 1x128 x 1x128 (wgrad), its `_segment8` row the MoE wgrad (K cut into 8 segments, one [M, N]
-output each: `segment_gemm`, CUTLASS) and `_segment1` the same dense GEMM on that CUTLASS kernel (one segment).
+output each: `segment_gemm`, CUTLASS) and `_segment1` the same dense GEMM on that CUTLASS kernel (one segment);
+`_cutlass1` rows: the dense FP8 GEMM on CUTLASS's grouped kernel with one group (ref = cuBLASLt's).
 Each shape's rows are printed as soon as that shape finishes; the JSON is rewritten after every shape.
 --chain N times N calls of each variant in one jitted program, each on its own copy of the operands (no call is
 merged with another), and reports the time per call: at small shapes (a d 1024 model's GEMMs, tens of us) a
@@ -87,6 +88,13 @@ def variants(m, k, n, key, xla_scaled=False):
         # one segment of all K: the dense 1d1d GEMM on CUTLASS's kernel instead of cuBLASLt's
         v["jaxhq_fp8_block_1d1d_segment1"] = (jax.jit(lambda a, b, s: G.segment_gemm(a, b, s)),
                                               (ba, b1d, jnp.full((1,), k, jnp.int32)))
+    # the dense GEMM on CUTLASS's grouped kernels, one group of all M rows (against cuBLASLt's dense kernel)
+    one = jnp.full((1,), m, jnp.int32)
+    for label, qa_, qb_, fast in (("tensor", qa, qb, False), ("tensor_fastacc", qa, qb, True), ("block", ba, bb, False)):
+        v[f"jaxhq_fp8_{label}_cutlass1"] = (
+            jax.jit(lambda a, bs, gs, fast=fast: G.grouped_gemm(a, bs, gs, jnp.bfloat16, kernel="cutlass",
+                                                                fast_accum=fast)),
+            (qa_, G.stack_storages([qb_]), one))
     if m % GROUPS == 0:  # MoE: GROUPS experts of m / GROUPS rows each, same FLOPs as the dense GEMM
         sizes = jnp.full((GROUPS,), m // GROUPS, jnp.int32)
         for fmt, qa_, label in ((Float8CurrentScaling("e4m3"), qa, "tensor"), (Float8Block((128, 128)), ba, "block")):
@@ -149,6 +157,7 @@ REF = {f"xla_bf16_ragged_dot_grouped{GROUPS}": "xla_bf16", f"jaxhq_bf16_grouped{
        "jaxhq_fp8_tensor": "xla_fp8_dot_general", "jaxhq_fp8_tensor_fastacc": "xla_fp8_dot_general",
        "jaxhq_fp8_block_1d1d": "jaxhq_fp8_block", f"jaxhq_fp8_block_1d1d_segment{GROUPS}": "jaxhq_fp8_block_1d1d",
        "jaxhq_fp8_block_1d1d_segment1": "jaxhq_fp8_block_1d1d",
+       **{f"jaxhq_fp8_{f}_cutlass1": f"jaxhq_fp8_{f}" for f in ("tensor", "tensor_fastacc", "block")},
        **{f"jaxhq_fp8_{f}_grouped{GROUPS}{s}": f"jaxhq_fp8_{f}" for f in ("tensor", "block")
           for s in ("", "_unpaired", "_lt", "_wgmma")},
        f"jaxhq_fp8_tensor_grouped{GROUPS}_fastacc": "jaxhq_fp8_tensor_fastacc",
