@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
+#include <string>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -234,19 +235,26 @@ int sm_count() {
 // The order the persistent kernels visit a problem's output tiles in: along M or N, in bands of `swizzle` (1, 2,
 // 4 or 8) tiles across. Along M in bands of 4 by measurement (docs/gemm.md, "Tile order": CUTLASS's default for
 // grouped problems, bands of 1, ran the per-tensor grouped and the K-grouped kernels 2-8% slower on the H200; along
-// N was slower still). JAXHQ_CUTLASS_SWIZZLE and JAXHQ_CUTLASS_RASTER (m or n), read at each launch, override it.
+// N was slower still). JAXHQ_CUTLASS_SWIZZLE and JAXHQ_CUTLASS_RASTER (m or n), read at each launch, override it;
+// `error` names a value they may not take (the launch fails with it).
 struct TileOrder {
   int swizzle = 4;
   bool along_n = false;
+  std::string error;
 };
 
 TileOrder tile_order() {
   TileOrder o;
   if (const char* v = std::getenv("JAXHQ_CUTLASS_SWIZZLE")) {
-    const int s = std::atoi(v);
-    if (s == 1 || s == 2 || s == 4 || s == 8) o.swizzle = s;
+    const std::string s = v;
+    if (s == "1" || s == "2" || s == "4" || s == "8") o.swizzle = std::atoi(v);
+    else o.error = "JAXHQ_CUTLASS_SWIZZLE must be 1, 2, 4 or 8, got '" + s + "'";
   }
-  if (const char* v = std::getenv("JAXHQ_CUTLASS_RASTER")) o.along_n = (v[0] == 'n' || v[0] == 'N');
+  if (const char* v = std::getenv("JAXHQ_CUTLASS_RASTER")) {
+    const std::string r = v;
+    if (r == "n" || r == "m") o.along_n = r == "n";
+    else o.error = "JAXHQ_CUTLASS_RASTER must be m or n, got '" + r + "'";
+  }
   return o;
 }
 
@@ -288,6 +296,7 @@ template <typename K>
 std::string launch(const Tables<K>& tab, const typename K::Gemm::Arguments& args, void* workspace,
                    int64_t workspace_bytes, cudaStream_t s) {
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return std::string("prologue: ") + cudaGetErrorString(e);
+  if (std::string e = tile_order().error; !e.empty()) return e;
   typename K::Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return "CUTLASS cannot implement this problem";
   void* ws = static_cast<char*>(workspace) + tab.bytes;
