@@ -50,6 +50,11 @@ def _quantizer(fmt):
     return jax.jit(lambda t: quantize(t, fmt, "rowwise").rowwise)
 
 
+def _grouped(kernel="auto", fast_accum=False):
+    """A jitted grouped GEMM (a, stacked weights, group sizes) -> bf16 on `kernel`."""
+    return jax.jit(lambda a, bs, gs: G.grouped_gemm(a, bs, gs, jnp.bfloat16, kernel=kernel, fast_accum=fast_accum))
+
+
 def variants(m, k, n, key, xla_scaled=False):
     """{name: (jitted fn, args[, environment variables set while it is timed])}; operands built on the device."""
     ka, kb = jax.random.split(key)
@@ -64,7 +69,7 @@ def variants(m, k, n, key, xla_scaled=False):
             (x, wt, jnp.full((GROUPS,), m // GROUPS, jnp.int32)))
         ident = Identity(jnp.bfloat16)  # jaxhq's bf16 grouped GEMM (CUTLASS, sizes on the device), the same groups
         v[f"jaxhq_bf16_grouped{GROUPS}"] = (
-            jax.jit(lambda a, bs, gs: G.grouped_gemm(a, bs, gs, jnp.bfloat16)),
+            _grouped(),
             (_quantizer(ident)(x), G.stack_storages([_quantizer(ident)(jnp.roll(w, i, axis=0)) for i in range(GROUPS)]),
              jnp.full((GROUPS,), m // GROUPS, jnp.int32)))
 
@@ -91,10 +96,7 @@ def variants(m, k, n, key, xla_scaled=False):
     # the dense GEMM on CUTLASS's grouped kernels, one group of all M rows (against cuBLASLt's dense kernel)
     one = jnp.full((1,), m, jnp.int32)
     for label, qa_, qb_, fast in (("tensor", qa, qb, False), ("tensor_fastacc", qa, qb, True), ("block", ba, bb, False)):
-        v[f"jaxhq_fp8_{label}_cutlass1"] = (
-            jax.jit(lambda a, bs, gs, fast=fast: G.grouped_gemm(a, bs, gs, jnp.bfloat16, kernel="cutlass",
-                                                                fast_accum=fast)),
-            (qa_, G.stack_storages([qb_]), one))
+        v[f"jaxhq_fp8_{label}_cutlass1"] = (_grouped("cutlass", fast), (qa_, G.stack_storages([qb_]), one))
     if m % GROUPS == 0:  # MoE: GROUPS experts of m / GROUPS rows each, same FLOPs as the dense GEMM
         sizes = jnp.full((GROUPS,), m // GROUPS, jnp.int32)
         for fmt, qa_, label in ((Float8CurrentScaling("e4m3"), qa, "tensor"), (Float8Block((128, 128)), ba, "block")):
@@ -104,10 +106,7 @@ def variants(m, k, n, key, xla_scaled=False):
             if label == "tensor":  # "auto" is CUTLASS's kernel where built
                 paths.append(("_fastacc", "auto", True, {}))
             for suffix, kern, fast, env in paths:
-                v[f"jaxhq_fp8_{label}_grouped{GROUPS}{suffix}"] = (
-                    jax.jit(lambda a, bs, gs, kern=kern, fast=fast: G.grouped_gemm(a, bs, gs, jnp.bfloat16,
-                                                                                   kernel=kern, fast_accum=fast)),
-                    (qa_, wq, sizes), env)
+                v[f"jaxhq_fp8_{label}_grouped{GROUPS}{suffix}"] = (_grouped(kern, fast), (qa_, wq, sizes), env)
 
     ma = _quantizer(MXFP8("e4m3"))(x)
     mb = _quantizer(MXFP8("e4m3"))(w)
@@ -120,9 +119,7 @@ def variants(m, k, n, key, xla_scaled=False):
         sizes = jnp.full((GROUPS,), m // GROUPS, jnp.int32)
         for label, kern, env in (("", wg, {}), ("_dq", "dequantize", {}),
                                  ("_dq_host", "dequantize", {"JAXHQ_DQ_GROUPED": "host"})):
-            v[f"jaxhq_mxfp8_grouped{GROUPS}{label}"] = (
-                jax.jit(lambda a, bs, gs, kern=kern: G.grouped_gemm(a, bs, gs, jnp.bfloat16, kernel=kern)),
-                (ma, wq, sizes), env)
+            v[f"jaxhq_mxfp8_grouped{GROUPS}{label}"] = (_grouped(kern), (ma, wq, sizes), env)
     v["scaled_matmul_mxfp8"] = (
         jax.jit(lambda a, b, sa, sb: jax.nn.scaled_matmul(a[None], b[None], sa[None], sb[None],
                                                           preferred_element_type=jnp.bfloat16)[0]),
@@ -135,8 +132,7 @@ def variants(m, k, n, key, xla_scaled=False):
         wq = G.stack_storages([_quantizer(NVFP4())(jnp.roll(w, i, axis=0)) for i in range(GROUPS)])
         for label, env in (("_dq", {}), ("_dq_host", {"JAXHQ_DQ_GROUPED": "host"})):
             v[f"jaxhq_nvfp4_grouped{GROUPS}{label}"] = (
-                jax.jit(lambda a, bs, gs: G.grouped_gemm(a, bs, gs, jnp.bfloat16, kernel="dequantize")),
-                (na, wq, jnp.full((GROUPS,), m // GROUPS, jnp.int32)), env)
+                _grouped("dequantize"), (na, wq, jnp.full((GROUPS,), m // GROUPS, jnp.int32)), env)
     if G._hopper() and k % 32 == 0:  # decoded on chip, fp16 wgmma
         v["jaxhq_nvfp4_wgmma"] = (jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.bfloat16, kernel="wgmma")),
                                   (na, nb))

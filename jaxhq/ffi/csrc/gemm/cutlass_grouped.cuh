@@ -235,8 +235,8 @@ int sm_count() {
 // The order the persistent kernels visit a problem's output tiles in: along M or N, in bands of `swizzle` (1, 2,
 // 4 or 8) tiles across. Along M in bands of 4 by measurement (docs/gemm.md, "Tile order": CUTLASS's default for
 // grouped problems, bands of 1, ran the per-tensor grouped and the K-grouped kernels 2-8% slower on the H200; along
-// N was slower still). JAXHQ_CUTLASS_SWIZZLE and JAXHQ_CUTLASS_RASTER (m or n), read at each launch, override it;
-// `error` names a value they may not take (the launch fails with it).
+// N was slower still). JAXHQ_CUTLASS_SWIZZLE and JAXHQ_CUTLASS_RASTER (m or n), read once per call before anything
+// is launched, override it; `error` names a value they may not take (the call fails with it, launching nothing).
 struct TileOrder {
   int swizzle = 4;
   bool along_n = false;
@@ -258,8 +258,11 @@ TileOrder tile_order() {
   return o;
 }
 
+// CUTLASS's arguments. The tile order takes no workspace (CUTLASS's group scheduler asks for none), so the sizing
+// takes the default; `enough` checks each call's own arguments.
 template <typename K>
-typename K::Gemm::Arguments arguments(const Tables<K>& tab, int64_t groups, bool accumulate) {
+typename K::Gemm::Arguments arguments(const Tables<K>& tab, int64_t groups, bool accumulate,
+                                      const TileOrder& order = TileOrder{}) {
   cutlass::KernelHardwareInfo hw;
   cudaGetDevice(&hw.device_id);
   hw.sm_count = sm_count();
@@ -272,7 +275,6 @@ typename K::Gemm::Arguments arguments(const Tables<K>& tab, int64_t groups, bool
     args.mainloop = {tab.a, tab.sa, tab.b, tab.sb};
   args.epilogue = {{}, const_cast<const typename K::Gemm::ElementD**>(tab.d), tab.sd, tab.d, tab.sd};
   args.hw_info = hw;
-  const TileOrder order = tile_order();
   using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
   args.scheduler.max_swizzle_size = order.swizzle;
   args.scheduler.raster_order = order.along_n ? Raster::AlongN : Raster::AlongM;
@@ -296,7 +298,6 @@ template <typename K>
 std::string launch(const Tables<K>& tab, const typename K::Gemm::Arguments& args, void* workspace,
                    int64_t workspace_bytes, cudaStream_t s) {
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return std::string("prologue: ") + cudaGetErrorString(e);
-  if (std::string e = tile_order().error; !e.empty()) return e;
   typename K::Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return "CUTLASS cannot implement this problem";
   void* ws = static_cast<char*>(workspace) + tab.bytes;
@@ -318,7 +319,9 @@ std::string enough(const Tables<K>& tab, const typename K::Gemm::Arguments& args
 template <typename K>
 std::string run(const CutlassGrouped& p, cudaStream_t s) {
   Tables<K> tab = row_tables<K>(p.workspace, p);
-  auto args = arguments<K>(tab, p.groups, p.accumulate);
+  const TileOrder order = tile_order();
+  if (!order.error.empty()) return order.error;
+  auto args = arguments<K>(tab, p.groups, p.accumulate, order);
   if (std::string e = enough(tab, args, p.workspace_bytes); !e.empty()) return e;
   if constexpr (K::kBlockwise) {
     const int64_t kb = cdiv(p.k, 128), nb = cdiv(p.n, 128);

@@ -102,7 +102,9 @@ int64_t kgrouped_workspace_bytes(const CutlassKGrouped& p) {
 template <typename K>
 std::string run_kgrouped(const CutlassKGrouped& p, cudaStream_t s) {
   Tables<K> tab = kgrouped_tables<K>(p.workspace, p);
-  auto args = arguments<K>(tab, p.groups, false);
+  const TileOrder order = tile_order();
+  if (!order.error.empty()) return order.error;
+  auto args = arguments<K>(tab, p.groups, false, order);
   if (std::string e = enough(tab, args, p.workspace_bytes); !e.empty()) return e;
   if constexpr (K::kBlockwise) {
     const int64_t kb = p.t / 128;
