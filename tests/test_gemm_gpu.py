@@ -691,6 +691,41 @@ def test_cutlass_grouped(case, accumulate, sizes):
                    jnp.bfloat16, f"cutlass grouped {case} {sizes} accumulate={accumulate} seed={seed}")
 
 
+def test_cutlass_tile_order(monkeypatch):
+    """The order the CUTLASS kernels visit output tiles in (JAXHQ_CUTLASS_SWIZZLE, JAXHQ_CUTLASS_RASTER, read at
+    each call) moves a tile to another CTA, not its sums: every setting gives the default's output bit for bit,
+    along rows and along K; a value outside the allowed ones is an error that names it."""
+    _cutlass_only()
+    qa, qb, _ = CUTLASS_CASES["block"]
+    rng, seed = _rng()
+    t, k, n, sizes = 1000, 528, 1064, [300, 0, 500, 200]
+    a = quantize(jnp.asarray(rng.standard_normal((t, k)), jnp.float32), qa, "rowwise").rowwise
+    bs = G.stack_storages([quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32), qb,
+                                    "rowwise").rowwise for _ in sizes])
+    x1 = quantize(jnp.asarray(rng.standard_normal((k, 1024)), jnp.float32), qa, "rowwise").rowwise  # [M, T]
+    y1 = quantize(jnp.asarray(rng.standard_normal((n, 1024)), jnp.float32), qa, "rowwise").rowwise  # [N, T]
+    gs, segs = jnp.asarray(sizes, jnp.int32), jnp.asarray([384, 0, 640], jnp.int32)
+    rows = jax.jit(lambda a, bs, gs: G.grouped_gemm(a, bs, gs, jnp.bfloat16, kernel="cutlass"))
+    along_k = jax.jit(lambda x, y, s: G.segment_gemm(x, y, s))
+
+    def run():
+        return [np.asarray(rows(a, bs, gs), np.float32), np.asarray(along_k(x1, y1, segs), np.float32)]
+    want = run()
+    for swizzle, raster in (("1", "m"), ("2", "n"), ("8", "m"), ("4", "n")):
+        monkeypatch.setenv("JAXHQ_CUTLASS_SWIZZLE", swizzle)
+        monkeypatch.setenv("JAXHQ_CUTLASS_RASTER", raster)
+        for i, (got, ref) in enumerate(zip(run(), want)):
+            assert np.array_equal(got, ref, equal_nan=True), \
+                f"swizzle {swizzle} raster {raster}: output {i} differs from the default order (seed {seed})"
+    monkeypatch.setenv("JAXHQ_CUTLASS_SWIZZLE", "3")
+    with pytest.raises(Exception, match="JAXHQ_CUTLASS_SWIZZLE must be 1, 2, 4 or 8, got '3'"):
+        jax.block_until_ready(rows(a, bs, gs))
+    monkeypatch.setenv("JAXHQ_CUTLASS_SWIZZLE", "4")
+    monkeypatch.setenv("JAXHQ_CUTLASS_RASTER", "diagonal")
+    with pytest.raises(Exception, match="JAXHQ_CUTLASS_RASTER must be m or n, got 'diagonal'"):
+        jax.block_until_ready(along_k(x1, y1, segs))
+
+
 @pytest.mark.parametrize("case", ["e4m3-fast", "block"])
 def test_cutlass_grouped_in_cuda_graphs(case):
     """The CUTLASS grouped call is declared command-buffer compatible: a jitted step that quantizes A, runs two
