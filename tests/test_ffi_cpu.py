@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +94,7 @@ def test_bf16_input_launch_matches_reference_of_the_cast(q, monkeypatch):
 def test_bf16_input_option_needs_float32_and_both_copies():
     """The handler refuses the bf16-input option on a bf16 x, or on one copy of a launch only."""
     from jaxhq.ffi import primitives as P
-    seed, scales = P.seed_words(jnp.zeros(2, jnp.uint32), 32, 64), jnp.ones((2,), jnp.float32)
+    seed, scales = P.seed_words(jnp.zeros(2, jnp.uint32), 32, 64), (jnp.float32(1), jnp.float32(1))
     on = (P.MXFP8, P.OPT_BF16_INPUT)
     for x, row, col in ((jnp.ones((32, 64), jnp.bfloat16), on, (P.NONE, 0)),
                         (jnp.ones((32, 64), jnp.float32), on, (P.MXFP8, 0))):
@@ -104,7 +105,7 @@ def test_bf16_input_option_needs_float32_and_both_copies():
 def test_decoded_option_only_for_mxfp8_and_nvfp4():
     """The handler refuses a decoded copy (bf16 values) of a format whose GEMMs read codes, naming the format."""
     from jaxhq.ffi import primitives as P
-    seed, scales = P.seed_words(jnp.zeros(2, jnp.uint32), 32, 64), jnp.ones((2,), jnp.float32)
+    seed, scales = P.seed_words(jnp.zeros(2, jnp.uint32), 32, 64), (jnp.float32(1), jnp.float32(1))
     x = jnp.ones((32, 64), jnp.bfloat16)
     for fmt in (P.FP8_TENSOR, P.FP8_BLOCK_1x128):
         with pytest.raises(Exception, match=f"only MXFP8 and NVFP4 copies can be decoded \\(format id {fmt}\\)"):
@@ -193,7 +194,7 @@ def test_amax_and_vmap():
     # vmap of quantize: each batch element equals its own call
     sc = jnp.ones((3, 2), jnp.float32)
     seed = jnp.broadcast_to(P.seed_words(jnp.zeros((2,), jnp.uint32), 48, 40), (3, 6))
-    f = lambda x, s, k: P.quantize(x, s, k, (P.MXFP8, 0), (P.FP8_BLOCK_1x128, P.OPT_POW2),  # noqa: E731
+    f = lambda x, s, k: P.quantize(x, (s[0], s[1]), k, (P.MXFP8, 0), (P.FP8_BLOCK_1x128, P.OPT_POW2),  # noqa: E731
                                    want_amax=True)
     batched = jax.vmap(f)(xs, sc, seed)
     np.testing.assert_array_equal(np.asarray(batched[4]), np.asarray(ref))  # the amax output, per element
@@ -202,6 +203,35 @@ def test_amax_and_vmap():
         for b, o in zip(batched, one):
             np.testing.assert_array_equal(np.asarray(b[i]).reshape(-1).view(np.uint8),
                                           np.asarray(o).reshape(-1).view(np.uint8))
+
+
+def test_each_copy_reads_its_own_scalar():
+    """The rowwise and columnwise copies' scalars are two operands of the launch: with per-tensor FP8 on both
+    copies, under vmap, each copy of each batch element is ml_dtypes' saturating cast of x times its own scale
+    (powers of two: the products are exact), and its scale_inv is 1 / that scale."""
+    import ml_dtypes
+    from jaxhq.ffi import primitives as P
+    xs = random_input(jax.random.key(11), (3, 32, 48), jnp.bfloat16)
+    s_row, s_col = jnp.array([0.5, 2.0, 8.0], jnp.float32), jnp.array([4.0, 0.25, 1.0], jnp.float32)
+    seed = jnp.broadcast_to(P.seed_words(jnp.zeros((2,), jnp.uint32), 32, 48), (3, 6))
+    f = lambda x, a, b, k: P.quantize(x, (a, b), k, (P.FP8_TENSOR, 0), (P.FP8_TENSOR, 0), poison=True)  # noqa: E731
+    rd, rs, cd, cs, _ = jax.vmap(f)(xs, s_row, s_col, seed)
+    x = np.asarray(xs.astype(jnp.float32))
+    for data, scale_inv, s, v in ((rd, rs, s_row, x), (cd, cs, s_col, x.transpose(0, 2, 1))):
+        s = np.asarray(s)
+        np.testing.assert_array_equal(np.asarray(scale_inv).reshape(3), 1.0 / s)
+        want = np.clip(v * s[:, None, None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
+        np.testing.assert_array_equal(np.asarray(data).view(np.uint8), want.view(np.uint8))
+
+
+def test_nvfp4_amaxes_reach_the_launch_unstacked():
+    """NVFP4 with RHT reads two amaxes (x's and the Hadamard-transformed one): they go to the launch as the two
+    operands they are, with no float32 stack of them in the program (a small kernel per launch on the GPU)."""
+    from jaxhq.ffi.dispatch import quantize_copies
+    x = random_input(jax.random.key(12), (64, 64), jnp.bfloat16)
+    text = str(jax.make_jaxpr(lambda x: quantize_copies(x, NVFP4(rht=True), platform="cpu"))(x))
+    assert "jaxhq_amax" in text and "jaxhq_quantize" in text
+    assert not re.search(r"f32\[2\] = (stack|concatenate)", text)
 
 
 def test_jit_and_dequantize():

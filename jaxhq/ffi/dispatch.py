@@ -156,12 +156,9 @@ def quantize_copies(x2d, quantizer, usage=USAGES, *, key=None, state=None, amax=
     # The launch's sides: its rowwise copy is made along the rows of what it reads (x2d's columnwise copy when
     # that is the transpose).
     launch = (COLUMNWISE, ROWWISE) if transposed else USAGES
-    # one scalar for both copies when they read the same one (or only one reads any), else one each
-    vals = list(values.values())
-    if len(vals) == 2 and vals[0] is not vals[1]:
-        scales = jnp.stack([jnp.asarray(values[a], jnp.float32) for a in launch])
-    else:
-        scales = jnp.asarray(vals[0] if vals else 1.0, jnp.float32).reshape(1)
+    # each copy's scalar as an operand of its own (no kernel stacks them); a copy that reads none takes the other's
+    vals = list(values.values()) or [1.0]
+    scales = tuple(values.get(a, vals[0]) for a in launch)
     seed = P.seed_words(key_words, *x2d.shape)
     no = (P.NONE, 0)
     row, col = ids.get(launch[0]) or no, ids.get(launch[1]) or no

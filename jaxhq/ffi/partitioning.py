@@ -102,7 +102,7 @@ def _rule(row, col, m: int, k: int, nbatch: int = 0, want_amax: bool = False, ac
     if act:  # dy [M, K] (gated: [M, K / 2], a factor of its own, whole too)
         dy = f"{lead}{mx} {'kh' if act & P.GATED else kx}, "
         repl += ["kh"] if act & P.GATED else []
-    rule = f"{lead}{mx} {kx}, {dy}{lead}s, {lead}t -> " + ", ".join(results)
+    rule = f"{lead}{mx} {kx}, {dy}{lead}sr, {lead}sc, {lead}t -> " + ", ".join(results)
     # a factor used only inside compound factors needs its size spelled out
     import re
     bare = re.sub(r"\([^)]*\)", " ", rule).replace(",", " ").replace("->", " ").split()
@@ -117,9 +117,10 @@ def _present(outs):
 
 
 def _local_quantize(row, col, x, *rest, want_amax=False, amax_eps=0.0, act=0):
-    """P.quantize of (x, scales, seed), or with `act` of (h, dy, scales, seed)."""
-    dy, scales, seed = rest if act else (None, *rest)
-    return _present(P.quantize(x, scales, seed, row, col, want_amax=want_amax, amax_eps=amax_eps, dy=dy, act=act))
+    """P.quantize of (x, scale_row, scale_col, seed), or with `act` of (h, dy, scale_row, scale_col, seed)."""
+    dy, s_row, s_col, seed = rest if act else (None, *rest)
+    return _present(P.quantize(x, (s_row, s_col), seed, row, col, want_amax=want_amax, amax_eps=amax_eps, dy=dy,
+                               act=act))
 
 
 def _specs(row, col, m_axes, k_axes, lead=(), want_amax=False):
@@ -163,7 +164,8 @@ def quantize(x, scales, seed, row, col, want_amax: bool = False, amax_eps: float
     amax?); the amax is the max over every shard, as unsharded. With `act` (and dy): the copies of an
     activation's gradient (P.quantize), sharded along M only."""
     make = lambda nb: _quantize_fn(x.shape[-2:], row, col, nb, want_amax, amax_eps, act)  # noqa: E731
-    return _batched(make, x.ndim - 2)(x, *(() if dy is None else (dy,)), scales, seed)
+    s_row, s_col = (jnp.asarray(s, jnp.float32).reshape((*x.shape[:-2], 1)) for s in scales)
+    return _batched(make, x.ndim - 2)(x, *(() if dy is None else (dy,)), s_row, s_col, seed)
 
 
 def _quantize_fn(shape, row, col, nbatch: int, want_amax: bool = False, amax_eps: float = 0.0, act: int = 0):
@@ -191,14 +193,15 @@ def _quantize_fn(shape, row, col, nbatch: int, want_amax: bool = False, amax_eps
         outs = tuple(NamedSharding(mesh, s) for s in _specs(row, col, m_axes, k_axes, lead, want_amax))
         per_batch = NamedSharding(mesh, PS(*lead, None))
         split = tuple(a for s in (m_axes, k_axes) if s is not None for a in (s if isinstance(s, tuple) else (s,)))
-        args = (NamedSharding(mesh, PS(*lead, m_axes, k_axes)),) * (2 if act else 1) + (per_batch, per_batch)
+        args = (NamedSharding(mesh, PS(*lead, m_axes, k_axes)),) * (2 if act else 1) + (per_batch,) * 3
 
         def lower(x, *rest):  # this shard's offsets in x, so stochastic rounding draws global positions
-            *dy, scales, seed = rest
+            *dy, s_row, s_col, seed = rest
             lm, lk = x.shape[-2:]
             offsets = jnp.stack([_shard_index(mesh, m_axes) * lm, _shard_index(mesh, k_axes) * lk])
             seed = seed.at[..., 2:4].set(offsets.astype(jnp.uint32))
-            res = _local_quantize(row, col, x, *dy, scales, seed, want_amax=want_amax, amax_eps=amax_eps, act=act)
+            res = _local_quantize(row, col, x, *dy, s_row, s_col, seed, want_amax=want_amax, amax_eps=amax_eps,
+                                  act=act)
             if want_amax and split:
                 res = res[:-1] + (pmax_nan(res[-1], split),)
             return res

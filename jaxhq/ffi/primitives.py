@@ -2,7 +2,7 @@
 
 Targets (one handler each on "cpu" and "CUDA"):
   jaxhq_amax(x[..., M, K]) -> (amax[...], amax_rht[...])          per-tensor max |x| (and of RHT(x.T) when rht)
-  jaxhq_quantize(x[..., M, K], dy, scales[..., 2], seed[..., 6])
+  jaxhq_quantize(x[..., M, K], dy, scale_row[..., 1], scale_col[..., 1], seed[..., 6])
       -> (row_data, row_scale, col_data, col_scale, amax)          any rowwise format with any columnwise
                                                                     format, one read of x; amax [...] (or
                                                                     empty, not asked for) is max |x| of
@@ -109,10 +109,12 @@ def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False
              amax_eps: float = 0.0, dy=None, act: int = 0):
     """Both copies of x [..., M, K] in one read: (row_data, row_scale, col_data, col_scale, amax).
 
-    scales [..., 2] float32 (or [..., 1], one for both copies): the per-tensor scale (FP8; with OPT_FROM_AMAX
-    the amax, from which the kernel computes the scale as fp8.scale_from_amax with `amax_eps`) or the global
-    encode scale (NVFP4; with OPT_FROM_AMAX the amax, from which the kernel computes nvfp4.global_encode) of each
-    copy. A per-tensor copy's scale output is its scale_inv [...] float32.
+    scales: (rowwise, columnwise), each float32 [...] (one value per batch element; the same array may serve
+    both): the per-tensor scale (FP8; with OPT_FROM_AMAX the amax, from which the kernel computes the scale as
+    fp8.scale_from_amax with `amax_eps`) or the global encode scale (NVFP4; with OPT_FROM_AMAX the amax, from
+    which the kernel computes nvfp4.global_encode) of each copy. Two operands rather than one stacked array, so
+    two scalars made apart (NVFP4's plain and Hadamard-transformed amaxes) reach the launch without a kernel
+    that stacks them. A per-tensor copy's scale output is its scale_inv [...] float32.
     seed [..., 6] uint32: stochastic-rounding key (2 words), then this shard's offset in the global x (row,
     column) and the global (M, K), see `seed_words`. Absent outputs are None.
     poison: write into outputs first filled with 0xFF bytes (tests: proves every element is written).
@@ -135,10 +137,11 @@ def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False
     attrs = dict(row_fmt=np.int32(rf), row_opts=np.int32(ro), col_fmt=np.int32(cf), col_opts=np.int32(co),
                  amax_eps=np.float32(amax_eps), act=np.int32(act))
     dy = jnp.zeros((0,), jnp.bfloat16) if dy is None else dy
-    args = (x, dy, scales.astype(jnp.float32), seed.astype(jnp.uint32))
+    s_row, s_col = (jnp.asarray(s, jnp.float32).reshape((*batch, 1)) for s in scales)
+    args = (x, dy, s_row, s_col, seed.astype(jnp.uint32))
     if poison:
         call = jax.ffi.ffi_call("jaxhq_quantize_into", outs, vmap_method="broadcast_all",
-                                input_output_aliases={4: 0, 5: 1, 6: 2, 7: 3})
+                                input_output_aliases={5: 0, 6: 1, 7: 2, 8: 3})
         res = call(*args, *(poison_like(o) for o in outs[:4]), **attrs)
     else:
         res = jax.ffi.ffi_call("jaxhq_quantize", outs, vmap_method="broadcast_all")(*args, **attrs)

@@ -47,8 +47,9 @@ const char* emu_quantize(const void* x, int dtype, int64_t batch, int64_t m, int
   a.batch = batch;
   a.m = m;
   a.k = k;
-  a.scales = scales;
-  a.scales_per_batch = per_batch;
+  a.scales[0] = scales;  // [batch, per_batch]: the columnwise copy's is the second of each pair, if any
+  a.scales[1] = scales + (per_batch == 2 ? 1 : 0);
+  a.scale_stride = per_batch;
   a.amax_eps = amax_eps;
   a.seed = seed;
   a.row = jaxhq::CopySpec{row_fmt, row_opts, rd, rs};

@@ -13,14 +13,14 @@ static ffi::Error cpu_amax(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> 
   return ffi::Error::Success();
 }
 
-static ffi::Error cpu_quantize(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Buffer<ffi::F32> scales,
-                               ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> rd,
+static ffi::Error cpu_quantize(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Buffer<ffi::F32> scale_row,
+                               ffi::Buffer<ffi::F32> scale_col, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> rd,
                                ffi::Result<ffi::AnyBuffer> rs, ffi::Result<ffi::AnyBuffer> cd,
                                ffi::Result<ffi::AnyBuffer> cs, ffi::Result<ffi::AnyBuffer> amax, int32_t row_fmt,
                                int32_t row_opts, int32_t col_fmt, int32_t col_opts, float amax_eps, int32_t act) {
   QuantizeArgs a;
-  if (auto e = make_quantize_args(x, dy, act, scales, seed, rd, rs, cd, cs, amax, row_fmt, row_opts, col_fmt,
-                                  col_opts, amax_eps, &a);
+  if (auto e = make_quantize_args(x, dy, act, scale_row, scale_col, seed, rd, rs, cd, cs, amax, row_fmt, row_opts,
+                                  col_fmt, col_opts, amax_eps, &a);
       e.failure())
     return e;
   quantize_cpu(a);
@@ -35,15 +35,17 @@ static ffi::Error cpu_dequantize(ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi:
   return ffi::Error::Success();
 }
 
-// The same quantize writing into buffers the caller provides (aliased inputs 4..7 = outputs 0..3; the
+// The same quantize writing into buffers the caller provides (aliased inputs 5..8 = outputs 0..3; the
 // amax output is not aliased): tests poison them first to prove every output element is written.
-static ffi::Error cpu_quantize_into(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Buffer<ffi::F32> scales,
-                                    ffi::Buffer<ffi::U32> seed, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
+static ffi::Error cpu_quantize_into(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Buffer<ffi::F32> scale_row,
+                                    ffi::Buffer<ffi::F32> scale_col, ffi::Buffer<ffi::U32> seed, ffi::AnyBuffer,
+                                    ffi::AnyBuffer, ffi::AnyBuffer,
                                     ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> rd, ffi::Result<ffi::AnyBuffer> rs,
                                     ffi::Result<ffi::AnyBuffer> cd, ffi::Result<ffi::AnyBuffer> cs,
                                     ffi::Result<ffi::AnyBuffer> amax, int32_t row_fmt, int32_t row_opts,
                                     int32_t col_fmt, int32_t col_opts, float amax_eps, int32_t act) {
-  return cpu_quantize(x, dy, scales, seed, rd, rs, cd, cs, amax, row_fmt, row_opts, col_fmt, col_opts, amax_eps, act);
+  return cpu_quantize(x, dy, scale_row, scale_col, seed, rd, rs, cd, cs, amax, row_fmt, row_opts, col_fmt, col_opts,
+                      amax_eps, act);
 }
 
 static ffi::Error cpu_act_grad(ffi::AnyBuffer h, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> out, int32_t act) {

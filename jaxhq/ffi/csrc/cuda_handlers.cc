@@ -22,14 +22,15 @@ static ffi::Error cuda_amax(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<f
                 "amax");
 }
 
-static ffi::Error cuda_quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Buffer<ffi::F32> scales,
+static ffi::Error cuda_quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy,
+                                ffi::Buffer<ffi::F32> scale_row, ffi::Buffer<ffi::F32> scale_col,
                                 ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> rd,
                                 ffi::Result<ffi::AnyBuffer> rs, ffi::Result<ffi::AnyBuffer> cd,
                                 ffi::Result<ffi::AnyBuffer> cs, ffi::Result<ffi::AnyBuffer> amax, int32_t row_fmt,
                                 int32_t row_opts, int32_t col_fmt, int32_t col_opts, float amax_eps, int32_t act) {
   QuantizeArgs a;
-  if (auto e = make_quantize_args(x, dy, act, scales, seed, rd, rs, cd, cs, amax, row_fmt, row_opts, col_fmt,
-                                  col_opts, amax_eps, &a);
+  if (auto e = make_quantize_args(x, dy, act, scale_row, scale_col, seed, rd, rs, cd, cs, amax, row_fmt, row_opts,
+                                  col_fmt, col_opts, amax_eps, &a);
       e.failure())
     return e;
   return status(launch_quantize(a, stream), "quantize");
@@ -43,16 +44,17 @@ static ffi::Error cuda_dequantize(cudaStream_t stream, ffi::AnyBuffer data, ffi:
   return status(launch_dequantize(a, stream), "dequantize");
 }
 
-// The same quantize writing into buffers the caller provides (aliased inputs 4..7 = outputs 0..3; the
+// The same quantize writing into buffers the caller provides (aliased inputs 5..8 = outputs 0..3; the
 // amax output is not aliased): tests poison them first to prove every output element is written.
 static ffi::Error cuda_quantize_into(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy,
-                                     ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::U32> seed, ffi::AnyBuffer,
-                                     ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> rd,
+                                     ffi::Buffer<ffi::F32> scale_row, ffi::Buffer<ffi::F32> scale_col,
+                                     ffi::Buffer<ffi::U32> seed, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
+                                     ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> rd,
                                      ffi::Result<ffi::AnyBuffer> rs, ffi::Result<ffi::AnyBuffer> cd,
                                      ffi::Result<ffi::AnyBuffer> cs, ffi::Result<ffi::AnyBuffer> amax, int32_t row_fmt,
                                      int32_t row_opts, int32_t col_fmt, int32_t col_opts, float amax_eps, int32_t act) {
-  return cuda_quantize(stream, x, dy, scales, seed, rd, rs, cd, cs, amax, row_fmt, row_opts, col_fmt, col_opts,
-                       amax_eps, act);
+  return cuda_quantize(stream, x, dy, scale_row, scale_col, seed, rd, rs, cd, cs, amax, row_fmt, row_opts, col_fmt,
+                       col_opts, amax_eps, act);
 }
 
 static ffi::Error cuda_act_grad(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer dy,

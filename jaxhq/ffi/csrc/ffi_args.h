@@ -88,7 +88,7 @@ inline ffi::Error make_act_grad_args(const ffi::AnyBuffer& h, const ffi::AnyBuff
 }
 
 inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const ffi::AnyBuffer& dy, int32_t act,
-                                     const ffi::Buffer<ffi::F32>& scales,
+                                     const ffi::Buffer<ffi::F32>& scale_row, const ffi::Buffer<ffi::F32>& scale_col,
                                      const ffi::Buffer<ffi::U32>& seed, ffi::Result<ffi::AnyBuffer>& rd,
                                      ffi::Result<ffi::AnyBuffer>& rs, ffi::Result<ffi::AnyBuffer>& cd,
                                      ffi::Result<ffi::AnyBuffer>& cs, ffi::Result<ffi::AnyBuffer>& amax,
@@ -107,10 +107,9 @@ inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const ffi::AnyBuff
   }
   if ((col_fmt == kNvfp4 && (col_opts & kRHT) && a->m % 16) || (row_fmt == kNvfp4 && (row_opts & kRHT) && a->k % 16))
     return ffi::Error::InvalidArgument("jaxhq quantize: RHT needs the transformed axis to be a multiple of 16");
-  const int64_t ns = int64_t(scales.element_count());
-  if ((ns != 2 * a->batch && ns != a->batch) || int64_t(seed.element_count()) != kSeedWords * a->batch)
-    return ffi::Error::InvalidArgument("jaxhq quantize: scales must be [batch, 2] or [batch, 1] and seed [batch, 6]");
-  a->scales_per_batch = a->batch > 0 ? int32_t(ns / a->batch) : 2;
+  if (int64_t(scale_row.element_count()) != a->batch || int64_t(scale_col.element_count()) != a->batch ||
+      int64_t(seed.element_count()) != kSeedWords * a->batch)
+    return ffi::Error::InvalidArgument("jaxhq quantize: scale_row and scale_col must be [batch, 1] and seed [batch, 6]");
   a->amax_eps = amax_eps;
   for (auto [fmt, opts] : {std::pair{row_fmt, row_opts}, std::pair{col_fmt, col_opts}})
     if ((opts & kDecoded) && fmt != kMxfp8 && fmt != kNvfp4)
@@ -129,7 +128,9 @@ inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const ffi::AnyBuff
   }
   if (auto e = check_act_grad(x, dy, act, a); e.failure()) return e;
   a->x = x.untyped_data();
-  a->scales = scales.typed_data();
+  a->scales[0] = scale_row.typed_data();
+  a->scales[1] = scale_col.typed_data();
+  a->scale_stride = 1;
   a->seed = seed.typed_data();
   a->row = CopySpec{row_fmt, row_opts, rd->untyped_data(), rs->untyped_data()};
   a->col = CopySpec{col_fmt, col_opts, cd->untyped_data(), cs->untyped_data()};
@@ -185,9 +186,10 @@ auto bind_quantize_outputs(B&& b) {  // row data, row scale, col data, col scale
 }
 
 template <typename B>
-auto bind_quantize_inputs(B&& b) {  // x, dy (empty unless `act`), scales [batch, 2], seed [batch, kSeedWords]
+auto bind_quantize_inputs(B&& b) {  // x, dy (empty unless `act`), scale_row and scale_col [batch, 1], seed [batch, 6]
   return std::move(b).template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::Buffer<ffi::U32>>();
 }

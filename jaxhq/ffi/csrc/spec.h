@@ -21,9 +21,10 @@ struct QuantizeArgs {
   const void* x = nullptr;       // [batch, M, K] in `dtype`
   int32_t dtype = 0;             // InDtype
   int64_t batch = 1, m = 0, k = 0;
-  const float* scales = nullptr; // [batch, 2] (rowwise, columnwise) or [batch, 1] (one for both): the per-tensor
-                                 // scale (kFromAmax: the amax) or the NVFP4 global encode
-  int32_t scales_per_batch = 2;  // 2 or 1, as above
+  // Each copy's scalar (rowwise, columnwise; the two may point at the same values): the per-tensor scale
+  // (kFromAmax: the amax) or the NVFP4 global encode, batch element b's at scales[side][scale_stride * b].
+  const float* scales[2] = {nullptr, nullptr};
+  int32_t scale_stride = 1;
   float amax_eps = 0.0f;         // kFromAmax: the eps of tensor_scale
   const uint32_t* seed = nullptr;// [batch, kSeedWords], see below
   CopySpec row, col;             // rowwise copy [M, K]; columnwise copy [K, M]
@@ -48,9 +49,9 @@ JHQ_SPEC_HD inline SrIndex sr_index(const uint32_t* seed, int side) {
   return side == 0 ? SrIndex{seed[2], seed[3], seed[5]} : SrIndex{seed[3], seed[2], seed[4]};
 }
 
-// The value copy `side` of batch element b reads from `scales`.
-JHQ_SPEC_HD inline float side_scalar(const float* scales, int32_t per_batch, int64_t b, int side) {
-  return scales[per_batch * b + (per_batch == 2 ? side : 0)];
+// The value copy `side` of batch element b reads (QuantizeArgs::scales).
+JHQ_SPEC_HD inline float side_scalar(const float* const (&scales)[2], int32_t stride, int64_t b, int side) {
+  return scales[side][stride * b];
 }
 
 // Bytes per batch element of each output, for a copy of shape [R, C]; the quantize kernel's scale output of a
