@@ -208,8 +208,8 @@ def _launch(h, dy, row, col, act, poison, device=None):
     scales = jnp.array([0.75, 2.0], jnp.float32)
     if device is not None:
         h, dy, seed, scales = jax.device_put((h, dy, seed, scales), device)
-    fn = jax.jit(lambda h, dy, sc, sd: P.quantize(h, (sc[0], sc[1]), sd, row, col, poison=poison, want_amax=True,
-                                                  dy=None if act == 0 else dy, act=act))
+    fn = jax.jit(lambda h, dy, sc, sd: P.quantize(h, (sc[0], sc[1]), sd, row, col, poison=poison,
+                                                  want_amax=True, dy=None if act == 0 else dy, act=act))
     return jax.block_until_ready(fn(h, dy, scales, seed))
 
 

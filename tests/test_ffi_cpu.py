@@ -224,6 +224,15 @@ def test_each_copy_reads_its_own_scalar():
         np.testing.assert_array_equal(np.asarray(data).view(np.uint8), want.view(np.uint8))
 
 
+def test_scalars_of_the_wrong_size_are_refused():
+    """A copy's scalar with more values than x has batch elements is refused, naming both shapes."""
+    from jaxhq.ffi import primitives as P
+    seed = P.seed_words(jnp.zeros(2, jnp.uint32), 32, 64)
+    x = jnp.ones((32, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"one value per batch element of x \(32, 64\).*\(2,\) and \(\)"):
+        P.quantize(x, (jnp.ones((2,)), jnp.float32(1)), seed, (P.FP8_TENSOR, 0), (P.FP8_TENSOR, 0))
+
+
 def test_nvfp4_amaxes_reach_the_launch_unstacked():
     """NVFP4 with RHT reads two amaxes (x's and the Hadamard-transformed one): they go to the launch as the two
     operands they are, with no float32 stack of them in the program (a small kernel per launch on the GPU)."""

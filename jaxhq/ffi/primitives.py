@@ -137,8 +137,11 @@ def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False
     attrs = dict(row_fmt=np.int32(rf), row_opts=np.int32(ro), col_fmt=np.int32(cf), col_opts=np.int32(co),
                  amax_eps=np.float32(amax_eps), act=np.int32(act))
     dy = jnp.zeros((0,), jnp.bfloat16) if dy is None else dy
-    s_row, s_col = (jnp.asarray(s, jnp.float32).reshape((*batch, 1)) for s in scales)
-    args = (x, dy, s_row, s_col, seed.astype(jnp.uint32))
+    s_row, s_col = (jnp.asarray(s, jnp.float32) for s in scales)
+    if any(math.prod(s.shape) != math.prod(batch) for s in (s_row, s_col)):
+        raise ValueError(f"jaxhq quantize: each copy's scalar holds one value per batch element of x {x.shape} "
+                         f"(batch {batch}), got scalars of shapes {s_row.shape} and {s_col.shape}")
+    args = (x, dy, s_row.reshape((*batch, 1)), s_col.reshape((*batch, 1)), seed.astype(jnp.uint32))
     if poison:
         call = jax.ffi.ffi_call("jaxhq_quantize_into", outs, vmap_method="broadcast_all",
                                 input_output_aliases={5: 0, 6: 1, 7: 2, 8: 3})

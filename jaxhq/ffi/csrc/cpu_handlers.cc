@@ -14,10 +14,11 @@ static ffi::Error cpu_amax(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> 
 }
 
 static ffi::Error cpu_quantize(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Buffer<ffi::F32> scale_row,
-                               ffi::Buffer<ffi::F32> scale_col, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> rd,
-                               ffi::Result<ffi::AnyBuffer> rs, ffi::Result<ffi::AnyBuffer> cd,
-                               ffi::Result<ffi::AnyBuffer> cs, ffi::Result<ffi::AnyBuffer> amax, int32_t row_fmt,
-                               int32_t row_opts, int32_t col_fmt, int32_t col_opts, float amax_eps, int32_t act) {
+                               ffi::Buffer<ffi::F32> scale_col, ffi::Buffer<ffi::U32> seed,
+                               ffi::Result<ffi::AnyBuffer> rd, ffi::Result<ffi::AnyBuffer> rs,
+                               ffi::Result<ffi::AnyBuffer> cd, ffi::Result<ffi::AnyBuffer> cs,
+                               ffi::Result<ffi::AnyBuffer> amax, int32_t row_fmt, int32_t row_opts, int32_t col_fmt,
+                               int32_t col_opts, float amax_eps, int32_t act) {
   QuantizeArgs a;
   if (auto e = make_quantize_args(x, dy, act, scale_row, scale_col, seed, rd, rs, cd, cs, amax, row_fmt, row_opts,
                                   col_fmt, col_opts, amax_eps, &a);
@@ -39,11 +40,10 @@ static ffi::Error cpu_dequantize(ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi:
 // amax output is not aliased): tests poison them first to prove every output element is written.
 static ffi::Error cpu_quantize_into(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Buffer<ffi::F32> scale_row,
                                     ffi::Buffer<ffi::F32> scale_col, ffi::Buffer<ffi::U32> seed, ffi::AnyBuffer,
-                                    ffi::AnyBuffer, ffi::AnyBuffer,
-                                    ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> rd, ffi::Result<ffi::AnyBuffer> rs,
-                                    ffi::Result<ffi::AnyBuffer> cd, ffi::Result<ffi::AnyBuffer> cs,
-                                    ffi::Result<ffi::AnyBuffer> amax, int32_t row_fmt, int32_t row_opts,
-                                    int32_t col_fmt, int32_t col_opts, float amax_eps, int32_t act) {
+                                    ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> rd,
+                                    ffi::Result<ffi::AnyBuffer> rs, ffi::Result<ffi::AnyBuffer> cd,
+                                    ffi::Result<ffi::AnyBuffer> cs, ffi::Result<ffi::AnyBuffer> amax, int32_t row_fmt,
+                                    int32_t row_opts, int32_t col_fmt, int32_t col_opts, float amax_eps, int32_t act) {
   return cpu_quantize(x, dy, scale_row, scale_col, seed, rd, rs, cd, cs, amax, row_fmt, row_opts, col_fmt, col_opts,
                       amax_eps, act);
 }

@@ -107,9 +107,13 @@ inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const ffi::AnyBuff
   }
   if ((col_fmt == kNvfp4 && (col_opts & kRHT) && a->m % 16) || (row_fmt == kNvfp4 && (row_opts & kRHT) && a->k % 16))
     return ffi::Error::InvalidArgument("jaxhq quantize: RHT needs the transformed axis to be a multiple of 16");
-  if (int64_t(scale_row.element_count()) != a->batch || int64_t(scale_col.element_count()) != a->batch ||
-      int64_t(seed.element_count()) != kSeedWords * a->batch)
-    return ffi::Error::InvalidArgument("jaxhq quantize: scale_row and scale_col must be [batch, 1] and seed [batch, 6]");
+  const int64_t nr = int64_t(scale_row.element_count()), nc = int64_t(scale_col.element_count()),
+                ns = int64_t(seed.element_count());
+  if (nr != a->batch || nc != a->batch || ns != kSeedWords * a->batch)
+    return ffi::Error::InvalidArgument(
+        "jaxhq quantize: scale_row and scale_col must hold one float32 per batch element and seed six uint32 (batch " +
+        std::to_string(a->batch) + "), got " + std::to_string(nr) + ", " + std::to_string(nc) + " and " +
+        std::to_string(ns));
   a->amax_eps = amax_eps;
   for (auto [fmt, opts] : {std::pair{row_fmt, row_opts}, std::pair{col_fmt, col_opts}})
     if ((opts & kDecoded) && fmt != kMxfp8 && fmt != kNvfp4)
