@@ -70,7 +70,7 @@ def emu(tmp_path_factory):
     subprocess.run([cxx, "-shared", "-o", str(lib_path), *map(str, out.glob("*.o"))], check=True)
     lib = ctypes.CDLL(str(lib_path))
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64  # harness.cc's signatures
-    lib.emu_quantize.argtypes = [ptr, i32, i64, i64, i64, ptr, i32, ctypes.c_float, ptr, i32, i32, ptr, ptr, i32,
+    lib.emu_quantize.argtypes = [ptr, i32, i64, i64, i64, ptr, ptr, ctypes.c_float, ptr, i32, i32, ptr, ptr, i32,
                                  i32, ptr, ptr, ptr, i32, i32, ptr, i32]
     lib.emu_amax.argtypes = [ptr, i32, i64, i64, i64, i32, ptr, ptr, i32, i32]
     lib.emu_dequantize.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i64, i64, i64, i32, i32]
@@ -110,7 +110,8 @@ def _quantize(lib, x, row, col, scales, seed, variant, order, poison, eps=0.0, d
     outs = [np.full(max(batch * n, 1), poison, np.uint8) for n in sizes]
     amax = np.full(batch, np.float32(-1))
     dtype_id = next(i for i, d in DTYPES.items() if np.dtype(d) == x.dtype)
-    err = lib.emu_quantize(_ptr(x), dtype_id, batch, m, k, _ptr(scales), scales.shape[1], eps, _ptr(seed), row[0],
+    s_row, s_col = (np.ascontiguousarray(scales[:, i]) for i in (0, -1))  # [batch, 1]: one array for both
+    err = lib.emu_quantize(_ptr(x), dtype_id, batch, m, k, _ptr(s_row), _ptr(s_col), eps, _ptr(seed), row[0],
                            row[1], _ptr(outs[0]),
                            _ptr(outs[1]), col[0], col[1], _ptr(outs[2]), _ptr(outs[3]), _ptr(amax), variant, order,
                            None if dy is None else _ptr(dy), act)

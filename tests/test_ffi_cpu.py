@@ -225,12 +225,16 @@ def test_each_copy_reads_its_own_scalar():
 
 
 def test_scalars_of_the_wrong_size_are_refused():
-    """A copy's scalar with more values than x has batch elements is refused, naming both shapes."""
+    """A copy's scalar with more values than x has batch elements is refused, naming both shapes, by the
+    primitive and by its partitioned form (the dispatch's)."""
+    from jaxhq.ffi import partitioning as PT
     from jaxhq.ffi import primitives as P
     seed = P.seed_words(jnp.zeros(2, jnp.uint32), 32, 64)
     x = jnp.ones((32, 64), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"one value per batch element of x \(32, 64\).*\(2,\) and \(\)"):
-        P.quantize(x, (jnp.ones((2,)), jnp.float32(1)), seed, (P.FP8_TENSOR, 0), (P.FP8_TENSOR, 0))
+    fmt = (P.FP8_TENSOR, 0)
+    for call in (P.quantize, PT.quantize):
+        with pytest.raises(ValueError, match=r"one value per batch element of x \(32, 64\).*\(2,\) and \(\)"):
+            call(x, (jnp.ones((2,)), jnp.float32(1)), seed, fmt, fmt)
 
 
 def test_nvfp4_amaxes_reach_the_launch_unstacked():

@@ -164,8 +164,7 @@ def quantize(x, scales, seed, row, col, want_amax: bool = False, amax_eps: float
     amax?); the amax is the max over every shard, as unsharded. With `act` (and dy): the copies of an
     activation's gradient (P.quantize), sharded along M only."""
     make = lambda nb: _quantize_fn(x.shape[-2:], row, col, nb, want_amax, amax_eps, act)  # noqa: E731
-    s_row, s_col = (jnp.asarray(s, jnp.float32).reshape((*x.shape[:-2], 1)) for s in scales)
-    return _batched(make, x.ndim - 2)(x, *(() if dy is None else (dy,)), s_row, s_col, seed)
+    return _batched(make, x.ndim - 2)(x, *(() if dy is None else (dy,)), *P.scale_operands(scales, x.shape), seed)
 
 
 def _quantize_fn(shape, row, col, nbatch: int, want_amax: bool = False, amax_eps: float = 0.0, act: int = 0):

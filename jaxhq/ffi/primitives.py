@@ -105,6 +105,17 @@ def seed_words(key_words, m: int, k: int, m0=0, k0=0):
     return jnp.concatenate([jnp.asarray(key_words, jnp.uint32).reshape(2), u(m0), u(k0), u(m), u(k)])
 
 
+def scale_operands(scales, x_shape):
+    """The launch's (scale_row, scale_col) operands, [..., 1] float32 each, from a copy's scalar pair for x of
+    x_shape [..., M, K]: one value per batch element, or a clear error naming the shapes."""
+    batch = tuple(x_shape[:-2])
+    s_row, s_col = (jnp.asarray(s, jnp.float32) for s in scales)
+    if any(math.prod(s.shape) != math.prod(batch) for s in (s_row, s_col)):
+        raise ValueError(f"jaxhq quantize: each copy's scalar holds one value per batch element of x {tuple(x_shape)} "
+                         f"(batch {batch}), got scalars of shapes {s_row.shape} and {s_col.shape}")
+    return s_row.reshape((*batch, 1)), s_col.reshape((*batch, 1))
+
+
 def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False, want_amax: bool = False,
              amax_eps: float = 0.0, dy=None, act: int = 0):
     """Both copies of x [..., M, K] in one read: (row_data, row_scale, col_data, col_scale, amax).
@@ -137,11 +148,7 @@ def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False
     attrs = dict(row_fmt=np.int32(rf), row_opts=np.int32(ro), col_fmt=np.int32(cf), col_opts=np.int32(co),
                  amax_eps=np.float32(amax_eps), act=np.int32(act))
     dy = jnp.zeros((0,), jnp.bfloat16) if dy is None else dy
-    s_row, s_col = (jnp.asarray(s, jnp.float32) for s in scales)
-    if any(math.prod(s.shape) != math.prod(batch) for s in (s_row, s_col)):
-        raise ValueError(f"jaxhq quantize: each copy's scalar holds one value per batch element of x {x.shape} "
-                         f"(batch {batch}), got scalars of shapes {s_row.shape} and {s_col.shape}")
-    args = (x, dy, s_row.reshape((*batch, 1)), s_col.reshape((*batch, 1)), seed.astype(jnp.uint32))
+    args = (x, dy, *scale_operands(scales, x.shape), seed.astype(jnp.uint32))
     if poison:
         call = jax.ffi.ffi_call("jaxhq_quantize_into", outs, vmap_method="broadcast_all",
                                 input_output_aliases={5: 0, 6: 1, 7: 2, 8: 3})

@@ -35,10 +35,10 @@ cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) {
 extern "C" {
 
 // variant < 0: the CPU handlers' quantize_cpu; else the kernel variant (jaxhq::QuantizeVariant). amax: the
-// optional amax output [batch] (null: not asked for); scales: per_batch (1 or 2) per batch element; act, dy: the
-// copies of an activation's gradient (x is its input h), QuantizeArgs::act.
-const char* emu_quantize(const void* x, int dtype, int64_t batch, int64_t m, int64_t k, const float* scales,
-                         int per_batch, float amax_eps, const uint32_t* seed, int row_fmt, int row_opts, void* rd,
+// optional amax output [batch] (null: not asked for); scale_row, scale_col: each copy's scalar [batch] (they may
+// be the same array); act, dy: the copies of an activation's gradient (x is its input h), QuantizeArgs::act.
+const char* emu_quantize(const void* x, int dtype, int64_t batch, int64_t m, int64_t k, const float* scale_row,
+                         const float* scale_col, float amax_eps, const uint32_t* seed, int row_fmt, int row_opts, void* rd,
                          void* rs, int col_fmt, int col_opts, void* cd, void* cs, float* amax, int variant,
                          int order, const void* dy, int act) {
   jaxhq::QuantizeArgs a;
@@ -47,9 +47,8 @@ const char* emu_quantize(const void* x, int dtype, int64_t batch, int64_t m, int
   a.batch = batch;
   a.m = m;
   a.k = k;
-  a.scales[0] = scales;  // [batch, per_batch]: the columnwise copy's is the second of each pair, if any
-  a.scales[1] = scales + (per_batch == 2 ? 1 : 0);
-  a.scale_stride = per_batch;
+  a.scales[0] = scale_row;
+  a.scales[1] = scale_col;
   a.amax_eps = amax_eps;
   a.seed = seed;
   a.row = jaxhq::CopySpec{row_fmt, row_opts, rd, rs};

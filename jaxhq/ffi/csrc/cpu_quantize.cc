@@ -152,7 +152,7 @@ CopySpec offset(const CopySpec& s, int64_t b, int64_t r, int64_t c) {
 // The per-tensor scale (kFromAmax: from the amax given, fp8.scale_from_amax) or NVFP4 global encode of a copy;
 // a per-tensor copy also records scale_inv = 1 / scale.
 float copy_scalar(const QuantizeArgs& a, const CopySpec& s, int64_t b, int side) {
-  const float v = copy_scalar_of(side_scalar(a.scales, a.scale_stride, b, side), s.fmt, s.opts, a.amax_eps);
+  const float v = copy_scalar_of(side_scalar(a.scales, b, side), s.fmt, s.opts, a.amax_eps);
   if (s.fmt == kFp8Tensor) *static_cast<float*>(s.scale) = div_ref(1.0f, v);
   return v;
 }

@@ -21,7 +21,6 @@ struct Params {
   const void* x;
   int64_t m, k;
   const float* scales[2];  // each copy's scalars (QuantizeArgs::scales)
-  int32_t scale_stride;
   float amax_eps;
   const uint32_t* seed;
   SideParams side[2];  // 0: rowwise [m, k], 1: columnwise [k, m]
@@ -37,7 +36,6 @@ inline Params make_params(const QuantizeArgs& a) {
   p.k = a.k;
   p.scales[0] = a.scales[0];
   p.scales[1] = a.scales[1];
-  p.scale_stride = a.scale_stride;
   p.amax_eps = a.amax_eps;
   p.seed = a.seed;
   p.amax = a.amax;
@@ -251,7 +249,7 @@ __device__ __forceinline__ void encode_fp8_chunk(const SideParams& sp, int64_t b
 // The scalar that copy s of batch element b uses: the FP8 per-tensor scale (with kFromAmax, computed here from
 // the amax given, as fp8.scale_from_amax does) or the NVFP4 global encode. Kernels take both once per thread.
 __device__ __forceinline__ float copy_scalar(const Params& p, int s, int64_t b) {
-  return copy_scalar_of(side_scalar(p.scales, p.scale_stride, b, s), p.side[s].fmt, p.side[s].opts, p.amax_eps);
+  return copy_scalar_of(side_scalar(p.scales, b, s), p.side[s].fmt, p.side[s].opts, p.amax_eps);
 }
 
 // The first thread of the grid's first tile writes each per-tensor copy's scale_inv = 1 / scale.

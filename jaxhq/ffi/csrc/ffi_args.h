@@ -134,7 +134,6 @@ inline ffi::Error make_quantize_args(const ffi::AnyBuffer& x, const ffi::AnyBuff
   a->x = x.untyped_data();
   a->scales[0] = scale_row.typed_data();
   a->scales[1] = scale_col.typed_data();
-  a->scale_stride = 1;
   a->seed = seed.typed_data();
   a->row = CopySpec{row_fmt, row_opts, rd->untyped_data(), rs->untyped_data()};
   a->col = CopySpec{col_fmt, col_opts, cd->untyped_data(), cs->untyped_data()};

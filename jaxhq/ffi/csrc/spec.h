@@ -21,10 +21,9 @@ struct QuantizeArgs {
   const void* x = nullptr;       // [batch, M, K] in `dtype`
   int32_t dtype = 0;             // InDtype
   int64_t batch = 1, m = 0, k = 0;
-  // Each copy's scalar (rowwise, columnwise; the two may point at the same values): the per-tensor scale
-  // (kFromAmax: the amax) or the NVFP4 global encode, batch element b's at scales[side][scale_stride * b].
+  // Each copy's scalar [batch] (rowwise, columnwise; the two may point at the same values): the per-tensor scale
+  // (kFromAmax: the amax) or the NVFP4 global encode.
   const float* scales[2] = {nullptr, nullptr};
-  int32_t scale_stride = 1;
   float amax_eps = 0.0f;         // kFromAmax: the eps of tensor_scale
   const uint32_t* seed = nullptr;// [batch, kSeedWords], see below
   CopySpec row, col;             // rowwise copy [M, K]; columnwise copy [K, M]
@@ -50,8 +49,8 @@ JHQ_SPEC_HD inline SrIndex sr_index(const uint32_t* seed, int side) {
 }
 
 // The value copy `side` of batch element b reads (QuantizeArgs::scales).
-JHQ_SPEC_HD inline float side_scalar(const float* const (&scales)[2], int32_t stride, int64_t b, int side) {
-  return scales[side][stride * b];
+JHQ_SPEC_HD inline float side_scalar(const float* const (&scales)[2], int64_t b, int side) {
+  return scales[side][b];
 }
 
 // Bytes per batch element of each output, for a copy of shape [R, C]; the quantize kernel's scale output of a
