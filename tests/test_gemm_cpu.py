@@ -175,3 +175,32 @@ def test_fp8_fast_accumulation_in_forward_and_dgrad(monkeypatch):
     assert flags() == [0, 1, 1]  # forward and dgrad fast; wgrad promoted
     monkeypatch.setenv("JAXHQ_FP8_FAST_ACCUM", "")
     assert flags() == [0, 0, 0]
+
+
+def test_block_gemms_take_the_quantize_launch_scales_as_they_lie(monkeypatch):
+    """fp8_block's forward, dgrad and wgrad: every 1x128 scale operand of jaxhq_gemm_fp8 is an output of a
+    jaxhq_quantize launch itself in the optimized program (the swap in ffi.primitives.quantize and the one in
+    ffi.gemm.fp8_gemm cancel), with no transpose or copy anywhere: no re-layout kernel per GEMM."""
+    import re
+    from jaxhq import recipes
+    from jaxhq.ops import dense
+    monkeypatch.setenv("JAXHQ_KERNELS", "all")
+    qs = recipes.get("fp8_block").dense_quantizers("layer")
+    x, w = jnp.ones((256, 512), jnp.bfloat16), jnp.ones((512, 384), jnp.bfloat16)
+    f = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(dense(x, w, quantizers=qs).astype(jnp.float32) ** 2),
+                                   argnums=(0, 1)))
+    text = f.lower(x, w).compile().as_text()
+    assert not re.search(r"= \S+ (transpose|copy)\(", text), "a re-layout survived"
+    quantized = set()  # get-tuple-elements of the quantize launches
+    launches = {m.group(1) for m in re.finditer(r"(%\S+) = \(.*custom_call_target=\"jaxhq_quantize\"", text)}
+    for m in re.finditer(r"(%\S+) = \S+ get-tuple-element\((%\S+)\)", text):
+        if m.group(2) in launches:
+            quantized.add(m.group(1))
+    gemms = [ln for ln in text.splitlines() if 'custom_call_target="jaxhq_gemm_fp8"' in ln]
+    assert len(gemms) == 3
+    for ln in gemms:
+        ops = re.search(r"custom-call\(([^)]*)\)", ln).group(1).split(", ")
+        ops = [o.split("*/")[-1] for o in ops]
+        modes = (int(re.search(r"mode_a = (\d)", ln).group(1)), int(re.search(r"mode_b = (\d)", ln).group(1)))
+        for scale, mode in ((ops[1], modes[0]), (ops[3], modes[1])):
+            assert mode != G.MODE_VEC128 or scale in quantized, ln

@@ -32,7 +32,8 @@ CUTLASS_KGROUPED = "jaxhq_gemm_cutlass_kgrouped"
 BF16_CUTLASS_GROUPED = "jaxhq_gemm_bf16_cutlass_grouped"
 MODE_TENSOR, MODE_VEC128, MODE_BLK128 = 0, 1, 2
 FMT_MX_E4M3, FMT_MX_E5M2, FMT_NVFP4 = 1, 2, 3
-# cuBLASLt's block-scale layout: 1x128 scales M-major [K/128, roundup(M, 4)], 128x128 scales K-major
+# cuBLASLt's block-scale layout: 1x128 scales M-major [K/128, roundup(M, 4)] (jaxhq_gemm_fp8 takes them
+# [K/128, M], _fp8_scales), 128x128 scales K-major
 # [N/128, roundup(K/128, 4)]. JAXHQ_GEMM_SCALE_LAYOUT="layout,pad" overrides (probing only).
 DEFAULT_LAYOUT = "0,4"
 
@@ -152,6 +153,14 @@ def _fp8_mode(s: Storage, name: str) -> int:
     raise GemmUnsupported(f"{name}: {s.format} is not an FP8 per-tensor or blockwise storage")
 
 
+def _fp8_scales(s: Storage, mode: int):
+    """An operand's scales as jaxhq_gemm_fp8 takes them: 1x128 ones [ceil(K/128), rows], the layout the quantize
+    launch writes and cuBLASLt reads (XLA cancels this swap against the one ffi.primitives.quantize made, so the
+    launch's buffer reaches the GEMM with no re-layout kernel); others as stored."""
+    sc = jnp.asarray(s.scale_inv, jnp.float32)
+    return jnp.swapaxes(sc, -1, -2) if mode == MODE_VEC128 else sc
+
+
 def fp8_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=None, accumulate=None,
              fast_accum: bool = False):
     """A @ B.T (+ bias) (+ accumulate) for FP8 per-tensor or blockwise storages (A [M, K], B [N, K]).
@@ -178,8 +187,7 @@ def fp8_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=None, accum
     ws = _workspace(workspace_bytes_fp8(m, n, k, ma, mb, out_dtype, bias is not None or accumulate is not None))
     call = jax.ffi.ffi_call(FP8_TARGET, (jax.ShapeDtypeStruct((m, n), out_dtype), ws),
                             input_output_aliases=aliases, vmap_method="sequential")  # vmap: a call per element
-    return call(a.data, jnp.asarray(a.scale_inv, jnp.float32), b.data, jnp.asarray(b.scale_inv, jnp.float32), bias_, c,
-                mode_a=np.int32(ma), mode_b=np.int32(mb), layout=np.int32(_layout()[0]), pad=np.int32(_layout()[1]),
+    return call(a.data, _fp8_scales(a, ma), b.data, _fp8_scales(b, mb), bias_, c, mode_a=np.int32(ma), mode_b=np.int32(mb), layout=np.int32(_layout()[0]), pad=np.int32(_layout()[1]),
                 accumulate=np.int32(accumulate is not None), fast_accum=np.int32(fast_accum))[0]
 
 
@@ -417,7 +425,7 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
             call = jax.ffi.ffi_call(FP8_CUTLASS_GROUPED, (jax.ShapeDtypeStruct((t, n), out_dtype),
                                                           jax.ShapeDtypeStruct((ws,), jnp.uint8)),
                                     input_output_aliases={5: 0} if aliases else {}, vmap_method="sequential")
-            return call(*operands[:5], c, mode_a=np.int32(ma), mode_b=np.int32(mb),
+            return call(operands[0], _fp8_scales(a, ma), *operands[2:5], c, mode_a=np.int32(ma), mode_b=np.int32(mb),
                         accumulate=np.int32(accumulate is not None), fast_accum=np.int32(fast_accum))[0]
         if _fp8_grouped_wgmma(n, k, g, kernel, name):
             call = jax.ffi.ffi_call(FP8_WGMMA_GROUPED, jax.ShapeDtypeStruct((t, n), out_dtype),
@@ -513,8 +521,7 @@ def segment_gemm(a: Storage, b: Storage, segment_sizes, out_dtype=jnp.bfloat16):
     ws = int(load().cutlass_kgrouped_workspace_bytes(g, m, n, k, bf16))
     call = jax.ffi.ffi_call(CUTLASS_KGROUPED, (jax.ShapeDtypeStruct((g, m, n), jnp.bfloat16), _workspace(ws)),
                             vmap_method="sequential")
-    scales = (_empty(jnp.float32),) * 2 if bf16 else (jnp.asarray(a.scale_inv, jnp.float32),
-                                                     jnp.asarray(b.scale_inv, jnp.float32))
+    scales = (_empty(jnp.float32),) * 2 if bf16 else (_fp8_scales(a, MODE_VEC128), _fp8_scales(b, MODE_VEC128))
     return call(a.data, scales[0], b.data, scales[1], sizes)[0]
 
 

@@ -57,6 +57,17 @@ def scale_shape_dtype(fmt: int, rows: int, cols: int, batch=()):
     return None
 
 
+def launch_scale_shape_dtype(fmt: int, rows: int, cols: int, batch=()):
+    """A copy's scale output as the quantize launch writes it: scale_shape_dtype's, except 1x128 scales, which
+    come [..., ceil(cols / 128), rows] (csrc/spec.h block1_scale_index: the layout the FP8 GEMM hands cuBLASLt
+    as it is); `quantize` returns them swapped to scale_shape_dtype's [..., rows, ceil(cols / 128)], and a GEMM
+    that swaps them back reads the launch's buffer itself (XLA cancels the two transposes)."""
+    sds = scale_shape_dtype(fmt, rows, cols, batch)
+    if fmt != FP8_BLOCK_1x128:
+        return sds
+    return jax.ShapeDtypeStruct((*sds.shape[:-2], sds.shape[-1], sds.shape[-2]), sds.dtype)
+
+
 def platform_of(x) -> str:
     """"cpu" or "cuda": where an op on x would run (its committed device, else the default backend)."""
     try:
@@ -125,7 +136,9 @@ def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False
     fp8.scale_from_amax with `amax_eps`) or the global encode scale (NVFP4; with OPT_FROM_AMAX the amax, from
     which the kernel computes nvfp4.global_encode) of each copy. Two operands rather than one stacked array, so
     two scalars made apart (NVFP4's plain and Hadamard-transformed amaxes) reach the launch without a kernel
-    that stacks them. A per-tensor copy's scale output is its scale_inv [...] float32.
+    that stacks them. A per-tensor copy's scale output is its scale_inv [...] float32; 1x128 scales come
+    [..., rows, ceil(cols / 128)] like every block format's (the launch writes them transposed:
+    launch_scale_shape_dtype).
     seed [..., 6] uint32: stochastic-rounding key (2 words), then this shard's offset in the global x (row,
     column) and the global (M, K), see `seed_words`. Absent outputs are None.
     poison: write into outputs first filled with 0xFF bytes (tests: proves every element is written).
@@ -141,8 +154,8 @@ def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False
     *batch, m, k = x.shape
     batch = tuple(batch)
     (rf, ro), (cf, co) = row, col
-    outs = (data_shape_dtype(rf, ro, m, k, batch), scale_shape_dtype(rf, m, k, batch),
-            data_shape_dtype(cf, co, k, m, batch), scale_shape_dtype(cf, k, m, batch))
+    outs = (data_shape_dtype(rf, ro, m, k, batch), launch_scale_shape_dtype(rf, m, k, batch),
+            data_shape_dtype(cf, co, k, m, batch), launch_scale_shape_dtype(cf, k, m, batch))
     outs = tuple(_EMPTY if o is None else o for o in outs)
     outs += (jax.ShapeDtypeStruct(batch, jnp.float32) if want_amax else _EMPTY,)
     attrs = dict(row_fmt=np.int32(rf), row_opts=np.int32(ro), col_fmt=np.int32(cf), col_opts=np.int32(co),
@@ -155,7 +168,11 @@ def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False
         res = call(*args, *(poison_like(o) for o in outs[:4]), **attrs)
     else:
         res = jax.ffi.ffi_call("jaxhq_quantize", outs, vmap_method="broadcast_all")(*args, **attrs)
-    return tuple(None if o is _EMPTY else r for o, r in zip(outs, res))
+    res = [None if o is _EMPTY else r for o, r in zip(outs, res)]
+    for i, fmt in ((1, rf), (3, cf)):
+        if fmt == FP8_BLOCK_1x128:
+            res[i] = jnp.swapaxes(res[i], -1, -2)
+    return tuple(res)
 
 
 def act_grad(h, dy, act: int):

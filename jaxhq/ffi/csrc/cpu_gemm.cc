@@ -37,7 +37,8 @@ struct Operand {
   const void* scale;
   int32_t fmt, opts;
   int64_t rows, k, batch;
-  bool decoded = false;  // data is the bf16 values [rows, k] (a kDecoded copy)
+  bool decoded = false;     // data is the bf16 values [rows, k] (a kDecoded copy)
+  bool rows_inner = false;  // 1x128 scales [ceil(k/128), rows] (jaxhq_gemm_fp8's layout) instead of [rows, ...]
 };
 
 // Decodes batch element `g` of an operand to float32 [rows, k], block scales applied.
@@ -52,6 +53,15 @@ std::vector<float> decode(const Operand& o, int64_t g) {
   DequantizeArgs a;
   a.data = static_cast<const uint8_t*>(o.data) + g * data_bytes(o.fmt, o.rows, o.k);
   a.scale = static_cast<const uint8_t*>(o.scale) + g * scale_bytes(o.fmt, o.rows, o.k);
+  std::vector<float> scales;  // rows_inner: the scales as the dequantize code reads them, [rows, ceil(k/128)]
+  if (o.rows_inner) {
+    const int64_t kb = (o.k + 127) / 128;
+    const float* in = static_cast<const float*>(a.scale);
+    scales.resize(size_t(o.rows * kb));
+    for (int64_t r = 0; r < o.rows; ++r)
+      for (int64_t j = 0; j < kb; ++j) scales[r * kb + j] = in[j * o.rows + r];
+    a.scale = scales.data();
+  }
   a.scalar = &one;
   a.out = out.data();
   a.fmt = o.fmt;
@@ -149,6 +159,7 @@ ffi::Error gemm_fp8(ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi::AnyBuffer b, ffi::
   Operand oa, ob;
   if (auto e = fp8_operand(a, sa, mode_a, 1, "A", &oa); e.failure()) return e;
   if (auto e = fp8_operand(b, sb, mode_b, 1, "B", &ob); e.failure()) return e;
+  oa.rows_inner = mode_a == kVec128, ob.rows_inner = mode_b == kVec128;  // as the quantize launch writes them
   if (oa.k != ob.k) return invalid("K differs: A " + dims(a) + ", B " + dims(b));
   if (auto e = check_out(bias, c, *out, oa.rows, ob.rows, ob.rows, accumulate); e.failure()) return e;
   double alpha = (mode_a == kTensor ? double(scalar(sa, 0)) : 1.0) * (mode_b == kTensor ? double(scalar(sb, 0)) : 1.0);

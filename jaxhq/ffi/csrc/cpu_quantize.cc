@@ -125,7 +125,7 @@ void fp8_block(const View& v, const CopySpec& s) {
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t c = c0; c < c1; ++c) a = amax_acc(a, v(r, c));
       float scale = block_scale(a, pow2);
-      sc[(r0 / br) * nb + b] = div_ref(1.0f, scale);
+      sc[two_d ? (r0 / br) * nb + b : block1_scale_index(r0, b, R)] = div_ref(1.0f, scale);
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t c = c0; c < c1; ++c) d[r * C + c] = fp8_encode_sw(v(r, c) * scale, false);
     }

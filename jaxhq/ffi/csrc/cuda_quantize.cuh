@@ -316,7 +316,8 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
     mult = block_scale(amax, sp.opts & kPow2);
     const int64_t nb = (C + 127) / 128;
     if (gc % 128 == 0 && (fmt == kFp8Block1 || gr % 128 == 0))
-      reinterpret_cast<float*>(scale)[(fmt == kFp8Block1 ? gr : gr / 128) * nb + gc / 128] = div_ref(1.0f, mult);
+      reinterpret_cast<float*>(scale)[fmt == kFp8Block1 ? block1_scale_index(gr, gc / 128, sp.R)
+                                                        : (gr / 128) * nb + gc / 128] = div_ref(1.0f, mult);
   }
   encode_fp8_chunk<N, false>(sp, b, gr, gc, mult, v);
 }

@@ -68,7 +68,7 @@ __device__ __forceinline__ uint32_t row_scales(const Params& p, RegSmem& sm, int
       } else {
         const float mult = block_scale(bits_to_f32<T>(a), sp.opts & kPow2);
         sm.row[s][cr] = f2u(mult);
-        reinterpret_cast<float*>(scale)[gr * ((sp.C + 127) / 128) + gc0 / 128] = div_ref(1.0f, mult);
+        reinterpret_cast<float*>(scale)[block1_scale_index(gr, gc0 / 128, sp.R)] = div_ref(1.0f, mult);
       }
     }
   }

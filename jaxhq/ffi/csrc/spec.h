@@ -70,6 +70,11 @@ JHQ_SPEC_HD inline int64_t scale_bytes(int32_t fmt, int64_t r, int64_t c) {
     default: return 0;
   }
 }
+// Where a quantize launch writes the 1x128 scale of block j (of ceil(C / 128)) of copy row r: at [j, r] of a
+// [ceil(C / 128), R] array, each block column's rows contiguous, which is the layout cuBLASLt's 1x128 block
+// scaling reads, so jaxhq_gemm_fp8 takes these scales where they lie (no re-layout launch per GEMM). The Python
+// wrapper (ffi/primitives.py) hands them on as [R, ceil(C / 128)], the layout every other target reads.
+JHQ_SPEC_HD inline int64_t block1_scale_index(int64_t r, int64_t j, int64_t R) { return j * R + r; }
 JHQ_SPEC_HD inline int64_t quantize_scale_bytes(int32_t fmt, int64_t r, int64_t c) {
   return fmt == 1 ? 4 : scale_bytes(fmt, r, c);
 }

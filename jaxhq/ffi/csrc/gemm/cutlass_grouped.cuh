@@ -164,10 +164,10 @@ __device__ __forceinline__ void group_rows(const int32_t* __restrict__ gs, int g
   *m = int(clamp_rows(gs[g], t - at));
 }
 
-// Blockwise scales from the quantizers' K-major layouts (A [t][kb], B [groups][nb][kb]) to the M-major ones
-// CUTLASS's grouped kernel reads (it derives each group's scale layout from the group's problem shape): A's
-// scales of group g compact at kb * start, [kb][m]; B's [groups][kb][nb]. Block row y < groups re-lays group y of
-// A, the last one B; the writes are coalesced.
+// Blockwise scales from the layouts they come in (A [kb][t], as the quantize launch writes 1x128 scales; B
+// [groups][nb][kb]) to the M-major ones CUTLASS's grouped kernel reads (it derives each group's scale layout from
+// the group's problem shape): A's scales of group g compact at kb * start, [kb][m]; B's [groups][kb][nb]. Block
+// row y < groups re-lays group y of A, the last one B; the writes are coalesced, and A's reads.
 __global__ void scales_mn_major_kernel(const float* __restrict__ sa, const int32_t* __restrict__ gs, int groups,
                                        int64_t t, int64_t kb, const float* __restrict__ sb, int64_t nb, float* out_a,
                                        float* out_b) {
@@ -183,7 +183,7 @@ __global__ void scales_mn_major_kernel(const float* __restrict__ sa, const int32
   __shared__ int m;
   if (threadIdx.x == 0) group_rows(gs, int(blockIdx.y), t, &start, &m);
   __syncthreads();
-  for (int64_t i = first; i < kb * m; i += stride) out_a[kb * start + i] = sa[(start + i % m) * kb + i / m];
+  for (int64_t i = first; i < kb * m; i += stride) out_a[kb * start + i] = sa[(i / m) * t + start + i % m];
 }
 
 // One block, one thread per group: group g's rows start where the clamped sizes before it end.

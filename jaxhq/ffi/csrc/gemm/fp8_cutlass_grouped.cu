@@ -33,23 +33,12 @@ __device__ __forceinline__ void segment_of(const int32_t* __restrict__ sizes, in
   *cols = segment_cols(sizes[g], t - at);
 }
 
-// Both operands' scales from [rows][t/128] to [t/128][rows]: every segment's scales then sit compact, M- (N-)
-// major, at (its first column / 128) * rows, as the kernel reads them.
-__global__ void scales_transposed_kernel(const float* __restrict__ sa, int64_t m, const float* __restrict__ sb,
-                                         int64_t n, int64_t kb, float* out_a, float* out_b) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < kb * (m + n); i += stride) {
-    if (i < kb * m) out_a[i] = sa[(i % m) * kb + i / m];
-    else {
-      const int64_t j = i - kb * m;
-      out_b[j] = sb[(j % n) * kb + j / n];
-    }
-  }
-}
-
+// The scales come [t/128][rows] (M- and N-major, as the quantize launch writes 1x128 scales), so every segment's
+// scales sit compact at (its first column / 128) * rows, as the kernel reads them: no re-layout.
 template <typename K>
 __global__ void kgrouped_prologue_kernel(Tables<K> tab, const int32_t* __restrict__ sizes, int groups, int64_t t,
-                                         int m, int n, const void* a, const void* b, void* out) {
+                                         int m, int n, const void* a, const void* b, void* out,
+                                         const float* __restrict__ sa, const float* __restrict__ sb) {
   for (int g = threadIdx.x; g < groups; g += blockDim.x) {
     int64_t start, cols;
     segment_of(sizes, g, t, &start, &cols);
@@ -64,8 +53,8 @@ __global__ void kgrouped_prologue_kernel(Tables<K> tab, const int32_t* __restric
     get<0>(sta) = t, get<0>(stb) = t, get<0>(std_) = n;  // both operands' rows span all t columns
     tab.sa[g] = sta, tab.sb[g] = stb, tab.sd[g] = std_;
     if constexpr (K::kBlockwise) {
-      tab.sfa[g] = tab.scales_a + start / 128 * m;
-      tab.sfb[g] = tab.scales_b + start / 128 * n;
+      tab.sfa[g] = sa + start / 128 * m;
+      tab.sfb[g] = sb + start / 128 * n;
       tab.layout_sfa[g] = K::ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, n, k, 1));
       tab.layout_sfb[g] = K::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, 1));
     } else {
@@ -90,7 +79,7 @@ __global__ void zero_empty_segments_kernel(const int32_t* __restrict__ sizes, in
 
 template <typename K>
 Tables<K> kgrouped_tables(void* base, const CutlassKGrouped& p) {
-  return Tables<K>(base, p.groups, p.t / 128 * p.m, p.t / 128 * p.n);
+  return Tables<K>(base, p.groups, 0, 0);  // the scales are read where they lie
 }
 
 template <typename K>
@@ -106,13 +95,8 @@ std::string run_kgrouped(const CutlassKGrouped& p, cudaStream_t s) {
   if (!order.error.empty()) return order.error;
   auto args = arguments<K>(tab, p.groups, false, order);
   if (std::string e = enough(tab, args, p.workspace_bytes); !e.empty()) return e;
-  if constexpr (K::kBlockwise) {
-    const int64_t kb = p.t / 128;
-    scales_transposed_kernel<<<unsigned(std::min<int64_t>(std::max<int64_t>(cdiv(kb * (p.m + p.n), 256), 1), 1024)),
-                               256, 0, s>>>(p.scale_a, p.m, p.scale_b, p.n, kb, tab.scales_a, tab.scales_b);
-  }
   kgrouped_prologue_kernel<K><<<1, int(std::min<int64_t>(p.groups, 1024)), 0, s>>>(
-      tab, p.segment_sizes, int(p.groups), p.t, int(p.m), int(p.n), p.a, p.b, p.out);
+      tab, p.segment_sizes, int(p.groups), p.t, int(p.m), int(p.n), p.a, p.b, p.out, p.scale_a, p.scale_b);
   zero_empty_segments_kernel<<<dim3(unsigned(std::min<int64_t>(cdiv(p.m * p.n, 256), 64)), unsigned(p.groups)), 256,
                                0, s>>>(p.segment_sizes, p.t, static_cast<uint16_t*>(p.out), p.m * p.n);
   return launch(tab, args, p.workspace, p.workspace_bytes, s);

@@ -16,7 +16,7 @@ namespace gemm {
 struct CutlassGrouped {
   const void* a;               // [t, k] E4M3 or E5M2 (bf16: bf16)
   const void* b;               // [groups, n, k] E4M3 (bf16: bf16)
-  const float* scale_a;        // per-tensor: [1]; blockwise: [t, ceil(k / 128)]
+  const float* scale_a;        // per-tensor: [1]; blockwise: [ceil(k / 128), t] (the quantize launch's layout)
   const float* scale_b;        // per-tensor: [groups]; blockwise: [groups, ceil(n / 128), ceil(k / 128)]
   const int32_t* group_sizes;  // [groups], on the device
   void* out;                   // [t, n] bf16
@@ -42,8 +42,8 @@ std::string cutlass_grouped_gemm(const CutlassGrouped& p, cudaStream_t s);
 struct CutlassKGrouped {
   const void* a;                 // [m, t] E4M3, or bf16
   const void* b;                 // [n, t] E4M3, or bf16
-  const float* scale_a;          // [m, t / 128] (FP8)
-  const float* scale_b;          // [n, t / 128] (FP8)
+  const float* scale_a;          // [t / 128, m] (FP8; the quantize launch's 1x128 layout)
+  const float* scale_b;          // [t / 128, n] (FP8)
   const int32_t* segment_sizes;  // [groups], on the device
   void* out;                     // [groups, m, n] bf16
   int64_t m, n, t, groups;

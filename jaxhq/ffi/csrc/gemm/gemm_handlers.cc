@@ -1,6 +1,8 @@
 // XLA FFI handlers of the GEMMs (every one computes out[M, N] = A[M, K] @ B[N, K].T, both K-major):
 //   jaxhq_gemm_fp8: FP8 x FP8 through cuBLASLt, scales read on the device: per-tensor fp32 scalars, or
-//                   (Hopper, cuBLASLt >= 12.9) 1x128 / 128x128 fp32 block scales re-laid-out in scratch.
+//                   (Hopper, cuBLASLt >= 12.9) 1x128 / 128x128 fp32 block scales: the 1x128 ones taken
+//                   [ceil(K/128), rows] as the quantize launch writes them and read where they lie (rows % 4
+//                   == 0), other layouts re-laid-out in scratch.
 //   jaxhq_gemm_dq:  MXFP8 or NVFP4 dequantized exactly to bf16 in scratch, then a cuBLASLt bf16 GEMM with
 //                   the NVFP4 global scales as alpha on the device.
 //   jaxhq_gemm_mxfp8: MXFP8 on Hopper FP8 tensor cores (fp8_wgmma.cu), the 1x32 scales applied in registers;
@@ -485,19 +487,21 @@ ffi::Error run_lt(cudaStream_t stream, Scratch& scratch, const LtCall& c, bool* 
 }
 
 // One FP8 operand's scales for cuBLASLt: where they are (`src`: fp32, a scalar (kTensor), [rows, ceil(K/128)]
-// (kVec128) or [ceil(rows/128), ceil(K/128)] (kBlk128)), their mode and rows, and where the pointer and scale mode
-// to pass go. `layout_rows` (> rows) pads the layout's rows (the retry with A's rows padded).
+// (kVec128; `rows_inner`: [ceil(K/128), rows], as the quantize launch writes them) or [ceil(rows/128),
+// ceil(K/128)] (kBlk128)), their mode and rows, and where the pointer and scale mode to pass go. `layout_rows`
+// (> rows) pads the layout's rows (the retry with A's rows padded).
 struct ScaleArg {
   const float* src = nullptr;  // null: no operand
   int32_t mode = kTensor;
   int64_t rows = 0, layout_rows = 0;
   const void** ptr = nullptr;
   int32_t* lt_mode = nullptr;
+  bool rows_inner = false;
 };
 
 // Sets *arg.ptr and *arg.lt_mode and, where the scales must be re-laid-out first, the job that stages them
-// (job->out stays null where cuBLASLt reads them as they are: the 128x128 weight scales when ceil(K/128) is a
-// multiple of `pad`). `layout` picks the candidate layout (0: the one cuBLASLt documents; others exist for
+// (job->out stays null where cuBLASLt reads them as they are: 1x128 scales given rows-inner for rows a multiple
+// of `pad`, the 128x128 weight scales when ceil(K/128) is a multiple of `pad`). `layout` picks the candidate layout (0: the one cuBLASLt documents; others exist for
 // probing), `pad` the leading-dimension multiple.
 ffi::Error scale_layout(cudaStream_t stream, Scratch& scratch, int64_t k, int32_t layout, int32_t pad,
                         const ScaleArg& arg, gemm::ScaleStage* job) {
@@ -524,13 +528,16 @@ ffi::Error scale_layout(cudaStream_t stream, Scratch& scratch, int64_t k, int32_
   const bool transpose = vec ? (layout == 0) : (layout != 0);
   // transposed: [kb, rup(lr)], rows contiguous; else [lr, rup(kb)], kb contiguous
   const int64_t out_rows = transpose ? kb : lr, ld = transpose ? rup(lr, pad) : rup(kb, pad);
-  if (!transpose && out_rows == sr && ld == kb && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+  const bool inner = vec && arg.rows_inner;  // src is [kb, sr]: the transposed layout with ld = sr
+  const bool as_is = inner ? (transpose && ld == sr) : (!transpose && out_rows == sr && ld == kb);
+  if (as_is && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
     *arg.ptr = src;
     return ffi::Error::Success();
   }
   float* out = static_cast<float*>(scratch.get(size_t(out_rows * ld) * sizeof(float)));
   if (!out) return out_of_scratch(scratch, "a scale re-layout");
-  *job = gemm::ScaleStage{src, sr, kb, out, out_rows, ld, transpose};
+  *job = inner ? gemm::ScaleStage{src, kb, sr, out, out_rows, ld, !transpose}
+               : gemm::ScaleStage{src, sr, kb, out, out_rows, ld, transpose};
   *arg.ptr = out;
   return ffi::Error::Success();
 }
@@ -555,6 +562,7 @@ struct ScaleSrc {
   const float* src = nullptr;
   int32_t mode = kTensor;
   int32_t layout = 0, pad = 4;
+  bool rows_inner = false;  // ScaleArg::rows_inner
 };
 
 ffi::Error run_with_retry(cudaStream_t stream, Scratch& scratch, LtCall c, size_t a_row_bytes, ScaleSrc sa) {
@@ -572,7 +580,7 @@ ffi::Error run_with_retry(cudaStream_t stream, Scratch& scratch, LtCall c, size_
   LtCall p = c;
   p.a = ap, p.m = mp, p.d = tmp, p.bias = nullptr, p.accumulate = false;
   if (sa.src && sa.mode != kTensor)
-    if (auto e = scale_ptrs(stream, scratch, c.k, sa.layout, sa.pad, ScaleArg{sa.src, sa.mode, c.m, mp, &p.scale_a, &p.mode_a});
+    if (auto e = scale_ptrs(stream, scratch, c.k, sa.layout, sa.pad, ScaleArg{sa.src, sa.mode, c.m, mp, &p.scale_a, &p.mode_a, sa.rows_inner});
         e.failure())
       return e;
   if (c.alpha_beta) {
@@ -662,11 +670,13 @@ ffi::Error gemm_fp8(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer sa, ff
   if (auto e = check_scale(sb, mode_b, c.n, c.k, "B"); e.failure()) return e;
   const float* fa = static_cast<const float*>(sa.untyped_data());
   const float* fb = static_cast<const float*>(sb.untyped_data());
-  if (auto e = scale_ptrs(stream, scratch, c.k, layout, pad, ScaleArg{fa, mode_a, c.m, 0, &c.scale_a, &c.mode_a},
-                          ScaleArg{fb, mode_b, c.n, 0, &c.scale_b, &c.mode_b});
+  // 1x128 scales come [ceil(K/128), rows], as the quantize launch writes them (ffi/gemm.py fp8_gemm)
+  if (auto e = scale_ptrs(stream, scratch, c.k, layout, pad,
+                          ScaleArg{fa, mode_a, c.m, 0, &c.scale_a, &c.mode_a, mode_a == kVec128},
+                          ScaleArg{fb, mode_b, c.n, 0, &c.scale_b, &c.mode_b, mode_b == kVec128});
       e.failure())
     return e;
-  return run_with_retry(stream, scratch, c, size_t(c.k), ScaleSrc{fa, mode_a, layout, pad});
+  return run_with_retry(stream, scratch, c, size_t(c.k), ScaleSrc{fa, mode_a, layout, pad, mode_a == kVec128});
 }
 
 // Dequantizes `rows` rows of an MXFP8/NVFP4 operand (data and scale bytes at the given pointers) to bf16.
@@ -1186,9 +1196,9 @@ ffi::Error gemm_cutlass_kgrouped(cudaStream_t stream, ffi::AnyBuffer a, ffi::Any
   if (a.element_type() != b.element_type() || (!bf16 && a.element_type() != ffi::DataType::F8E4M3FN))
     return invalid(what + ": both operands must be float8_e4m3fn (1x128 blocks) or both bfloat16");
   if (!bf16 && (sa.element_type() != ffi::DataType::F32 || sb.element_type() != ffi::DataType::F32 ||
-                !is_2d(sa, m, cdiv(t, 128)) || !is_2d(sb, n, cdiv(t, 128))))
-    return invalid(what + ": scale_inv must be float32 [M, T/128] and [N, T/128], got " + dims(sa) + " and " +
-                   dims(sb));
+                !is_2d(sa, cdiv(t, 128), m) || !is_2d(sb, cdiv(t, 128), n)))
+    return invalid(what + ": scale_inv must be float32 [T/128, M] and [T/128, N] (as the quantize launch writes "
+                   "1x128 scales), got " + dims(sa) + " and " + dims(sb));
   if (auto e = check_sizes(sizes, groups); e.failure()) return e;
   if (out->element_type() != ffi::DataType::BF16 || dout.size() != 3 || dout[0] != groups || dout[1] != m ||
       dout[2] != n)
