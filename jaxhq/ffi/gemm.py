@@ -187,7 +187,8 @@ def fp8_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=None, accum
     ws = _workspace(workspace_bytes_fp8(m, n, k, ma, mb, out_dtype, bias is not None or accumulate is not None))
     call = jax.ffi.ffi_call(FP8_TARGET, (jax.ShapeDtypeStruct((m, n), out_dtype), ws),
                             input_output_aliases=aliases, vmap_method="sequential")  # vmap: a call per element
-    return call(a.data, _fp8_scales(a, ma), b.data, _fp8_scales(b, mb), bias_, c, mode_a=np.int32(ma), mode_b=np.int32(mb), layout=np.int32(_layout()[0]), pad=np.int32(_layout()[1]),
+    return call(a.data, _fp8_scales(a, ma), b.data, _fp8_scales(b, mb), bias_, c, mode_a=np.int32(ma),
+                mode_b=np.int32(mb), layout=np.int32(_layout()[0]), pad=np.int32(_layout()[1]),
                 accumulate=np.int32(accumulate is not None), fast_accum=np.int32(fast_accum))[0]
 
 
@@ -425,8 +426,9 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
             call = jax.ffi.ffi_call(FP8_CUTLASS_GROUPED, (jax.ShapeDtypeStruct((t, n), out_dtype),
                                                           jax.ShapeDtypeStruct((ws,), jnp.uint8)),
                                     input_output_aliases={5: 0} if aliases else {}, vmap_method="sequential")
-            return call(operands[0], _fp8_scales(a, ma), *operands[2:5], c, mode_a=np.int32(ma), mode_b=np.int32(mb),
-                        accumulate=np.int32(accumulate is not None), fast_accum=np.int32(fast_accum))[0]
+            return call(operands[0], _fp8_scales(a, ma), *operands[2:5], c, mode_a=np.int32(ma),
+                        mode_b=np.int32(mb), accumulate=np.int32(accumulate is not None),
+                        fast_accum=np.int32(fast_accum))[0]
         if _fp8_grouped_wgmma(n, k, g, kernel, name):
             call = jax.ffi.ffi_call(FP8_WGMMA_GROUPED, jax.ShapeDtypeStruct((t, n), out_dtype),
                                     input_output_aliases=aliases, vmap_method="sequential")

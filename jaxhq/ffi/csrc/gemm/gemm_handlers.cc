@@ -501,8 +501,8 @@ struct ScaleArg {
 
 // Sets *arg.ptr and *arg.lt_mode and, where the scales must be re-laid-out first, the job that stages them
 // (job->out stays null where cuBLASLt reads them as they are: 1x128 scales given rows-inner for rows a multiple
-// of `pad`, the 128x128 weight scales when ceil(K/128) is a multiple of `pad`). `layout` picks the candidate layout (0: the one cuBLASLt documents; others exist for
-// probing), `pad` the leading-dimension multiple.
+// of `pad`, the 128x128 weight scales when ceil(K/128) is a multiple of `pad`). `layout` picks the candidate
+// layout (0: the one cuBLASLt documents; others exist for probing), `pad` the leading-dimension multiple.
 ffi::Error scale_layout(cudaStream_t stream, Scratch& scratch, int64_t k, int32_t layout, int32_t pad,
                         const ScaleArg& arg, gemm::ScaleStage* job) {
   *job = gemm::ScaleStage{};
@@ -580,7 +580,8 @@ ffi::Error run_with_retry(cudaStream_t stream, Scratch& scratch, LtCall c, size_
   LtCall p = c;
   p.a = ap, p.m = mp, p.d = tmp, p.bias = nullptr, p.accumulate = false;
   if (sa.src && sa.mode != kTensor)
-    if (auto e = scale_ptrs(stream, scratch, c.k, sa.layout, sa.pad, ScaleArg{sa.src, sa.mode, c.m, mp, &p.scale_a, &p.mode_a, sa.rows_inner});
+    if (auto e = scale_ptrs(stream, scratch, c.k, sa.layout, sa.pad,
+                            ScaleArg{sa.src, sa.mode, c.m, mp, &p.scale_a, &p.mode_a, sa.rows_inner});
         e.failure())
       return e;
   if (c.alpha_beta) {
