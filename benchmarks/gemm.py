@@ -39,6 +39,7 @@ from jax import lax
 from common import environ, parser, print_table, time_back_to_back, write_json
 from jaxhq.formats import MXFP8, NVFP4, Float8Block, Float8CurrentScaling, Identity, Storage, quantize
 from jaxhq.ffi import gemm as G
+from jaxhq.ffi import primitives as P
 from jaxhq.ops.gemm import fp8_gpu_dot
 
 TN = (((1,), (1,)), ((), ()))
@@ -154,8 +155,8 @@ def variants(m, k, n, key, xla_scaled=False):
 def _swap_1x128(t):
     """t, or a 1x128 Storage with its scales swapped between the Storage's [rows, nb] and the quantize launch's
     [nb, rows] (ffi.primitives.launch_scale_shape_dtype)."""
-    if isinstance(t, Storage) and t.quantizer.name == "fp8_block" and tuple(t.quantizer.block) == (1, 128):
-        return dataclasses.replace(t, scale_inv=jnp.swapaxes(t.scale_inv, -1, -2))
+    if isinstance(t, Storage) and t.quantizer.name == "fp8_block" and G._fp8_mode(t, "") == G.MODE_VEC128:
+        return dataclasses.replace(t, scale_inv=P.swap_block1(t.scale_inv))
     return t
 
 

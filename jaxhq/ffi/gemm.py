@@ -22,6 +22,7 @@ import numpy as np
 from jax import lax
 
 from ..formats import Storage
+from . import primitives
 
 FP8_TARGET, DQ_TARGET, MX_TARGET, NV_TARGET = "jaxhq_gemm_fp8", "jaxhq_gemm_dq", "jaxhq_gemm_mxfp8", "jaxhq_gemm_nvfp4"
 KERNELS = ("auto", "wgmma", "dequantize")  # the MXFP8 / NVFP4 kernel choices of blockscaled_gemm / grouped_gemm
@@ -158,7 +159,7 @@ def _fp8_scales(s: Storage, mode: int):
     launch writes and cuBLASLt reads (XLA cancels this swap against the one ffi.primitives.quantize made, so the
     launch's buffer reaches the GEMM with no re-layout kernel); others as stored."""
     sc = jnp.asarray(s.scale_inv, jnp.float32)
-    return jnp.swapaxes(sc, -1, -2) if mode == MODE_VEC128 else sc
+    return primitives.swap_block1(sc) if mode == MODE_VEC128 else sc
 
 
 def fp8_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=None, accumulate=None,

@@ -60,12 +60,18 @@ def scale_shape_dtype(fmt: int, rows: int, cols: int, batch=()):
 def launch_scale_shape_dtype(fmt: int, rows: int, cols: int, batch=()):
     """A copy's scale output as the quantize launch writes it: scale_shape_dtype's, except 1x128 scales, which
     come [..., ceil(cols / 128), rows] (csrc/spec.h block1_scale_index: the layout the FP8 GEMM hands cuBLASLt
-    as it is); `quantize` returns them swapped to scale_shape_dtype's [..., rows, ceil(cols / 128)], and a GEMM
-    that swaps them back reads the launch's buffer itself (XLA cancels the two transposes)."""
+    as it is; swap_block1 turns one layout into the other)."""
     sds = scale_shape_dtype(fmt, rows, cols, batch)
     if fmt != FP8_BLOCK_1x128:
         return sds
     return jax.ShapeDtypeStruct((*sds.shape[:-2], sds.shape[-1], sds.shape[-2]), sds.dtype)
+
+
+def swap_block1(scales):
+    """1x128 scales between the Storage's [..., rows, nb] and the quantize launch's [..., nb, rows] (its own
+    inverse). `quantize` applies it to the launch's output and the GEMMs that read the launch's layout apply it
+    again, so under jit XLA cancels the pair and the GEMM reads the launch's buffer itself."""
+    return jnp.swapaxes(scales, -1, -2)
 
 
 def platform_of(x) -> str:
@@ -171,7 +177,7 @@ def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False
     res = [None if o is _EMPTY else r for o, r in zip(outs, res)]
     for i, fmt in ((1, rf), (3, cf)):
         if fmt == FP8_BLOCK_1x128:
-            res[i] = jnp.swapaxes(res[i], -1, -2)
+            res[i] = swap_block1(res[i])
     return tuple(res)
 
 
