@@ -1,7 +1,8 @@
 """The MLP activation's input gradient quantized from h and dy in one launch, against XLA computing the gradient
 and the quantize kernel reading it (the default path, JAXHQ_QUANTIZE_PATH act_grad=xla), in one process.
 
-Shape: fc1's output of the H100 training preset (8192 tokens, gated 2 x 14336; --quick: 1024 x 2 x 1024). Per
+Shape: fc1's output of the H100 training preset (8192 tokens, gated 2 x 14336; --quick: 1024 x 2 x 1024), or the
+--shapes given (TOKENSxF, comma-separated; the quick preset's fc1 is 4096x3584). Per
 format (both copies, as fc1's backward makes them): the fused launch, the unfused pair, and XLA's gradient alone;
 the bytes the fused launch must move (h, dy, the copies) as a fraction of the device copy's bandwidth. Prints a
 table; writes JSON (--out).
@@ -32,14 +33,16 @@ def nbytes(tree):
 def main():
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--activations", default="swiglu,gelu")
+    p.add_argument("--shapes", default=None, help="TOKENSxF, comma-separated (default 8192x14336; --quick 1024x1024)")
     args = p.parse_args()
-    tokens, f = (1024, 1024) if args.quick else (8192, 14336)
+    shapes = args.shapes or ("1024x1024" if args.quick else "8192x14336")
     dev = jax.devices()[0]
     print("device:", dev.device_kind, "jax", jax.__version__, "kernels on gpu:", available("gpu"), flush=True)
     bench = lambda fn, *a: time_back_to_back(fn, *a, iters=20, reps=5)[0]  # noqa: E731
 
     rows = []
-    for activation in args.activations.split(","):
+    for shape, activation in ((s, a) for s in shapes.split(",") for a in args.activations.split(",")):
+        tokens, f = (int(v) for v in shape.split("x"))
         width = 2 * f if A.is_gated(activation) else f
         kh, kd = jax.random.split(jax.random.key(0))
         h = jax.device_put(jax.random.normal(kh, (tokens, width), jnp.float32).astype(jnp.bfloat16), dev)
@@ -61,7 +64,7 @@ def main():
                        unfused_ms=t_u * 1e3, xla_grad_ms=t_grad * 1e3, speedup=t_u / t_f,
                        fused_frac_copy=moved / t_f / copy_bw, copy_tbps=copy_bw / 1e12)
             rows.append(row)
-            print(f"  {activation} {name}: fused {t_f * 1e3:.3f} ms, unfused {t_u * 1e3:.3f} ms "
+            print(f"  {shape} {activation} {name}: fused {t_f * 1e3:.3f} ms, unfused {t_u * 1e3:.3f} ms "
                   f"({t_u / t_f:.2f}x), {100 * row['fused_frac_copy']:.0f}% of copy", flush=True)
     print_table(rows, ["activation", "format", "shape", "fused_ms", "unfused_ms", "speedup", "xla_grad_ms",
                        "fused_frac_copy"])

@@ -55,12 +55,12 @@ def plan(recipe, roles_or_model: Iterable[QuantizerRole] = (), *example_inputs) 
     """Plan of a recipe over a list of roles, or over a Flax model traced with `example_inputs`."""
     from .ffi.dispatch import takes_act_grad
     rec: CustomRecipe = get(recipe)
-    acts = set()  # grad_output roles that are an activation's gradient (known from a traced model)
+    acts = {}  # grad_output roles that are an activation's gradient -> its elements (from a traced model)
     if hasattr(roles_or_model, "apply"):
         from .layers.introspect import model_slots, roles_of
         slots = model_slots(roles_or_model, rec, *example_inputs)
         roles = roles_of(slots)
-        acts = {s.role for _, ss in slots for s in ss if s.activation}
+        acts = {s.role: s.size for _, ss in slots for s in ss if s.activation}
     else:
         roles = list(roles_or_model)
     platform = "cpu" if jax.default_backend() == "cpu" else "cuda"
@@ -73,7 +73,8 @@ def plan(recipe, roles_or_model: Iterable[QuantizerRole] = (), *example_inputs) 
 
         shared = role.module_type == "linear" and role.tensor_type == "weight" and shares_transposed_copy(q)
         both = (ROWWISE, COLUMNWISE)
-        act = (role in acts and act_grad_path(q, both) == "kernel" and takes_act_grad(q, both, platform) and
+        act = (role in acts and act_grad_path(q, both, acts[role]) == "kernel" and
+               takes_act_grad(q, both, platform) and
                all(copy_path(q, a, platform) == "kernel" for a in both))
 
         def how(a):

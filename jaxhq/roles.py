@@ -44,6 +44,7 @@ class Slot:
     # grad_output of a dense op with an activation (and no bias): the activation's input gradient, whose copies
     # the kernels make from the activation's input and output gradient (jaxhq.ops.activation)
     activation: Optional[str] = None
+    size: Optional[int] = None  # elements of that gradient (where the launch takes it: formats.quantize.act_grad_path)
 
 
 def gemm_roles(name: str, module_type: str = "linear") -> dict:
@@ -52,13 +53,13 @@ def gemm_roles(name: str, module_type: str = "linear") -> dict:
 
 
 def dense_slots(name: str, output: Optional[QuantizerRole] = None, grad_input: Optional[QuantizerRole] = None,
-                module_type: str = "linear", activation: Optional[str] = None) -> tuple:
+                module_type: str = "linear", activation: Optional[str] = None, size: Optional[int] = None) -> tuple:
     """Slots of a dense module: forward input, weight and output boundary; backward grad_output (an activation's
-    input gradient with `activation`) and grad-input boundary. Boundaries carry the consumer's role when the
-    parent knows it, else None."""
+    input gradient of `size` elements with `activation`) and grad-input boundary. Boundaries carry the consumer's
+    role when the parent knows it, else None."""
     r = gemm_roles(name, module_type)
     return (Slot("input", "forward", r["input"]), Slot("weight", "forward", r["weight"]),
-            Slot("output", "forward", output), Slot("grad_output", "backward", r["grad_output"], activation),
+            Slot("output", "forward", output), Slot("grad_output", "backward", r["grad_output"], activation, size),
             Slot("grad_input", "backward", grad_input))
 
 

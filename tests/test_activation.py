@@ -323,23 +323,31 @@ def test_act_grad_path_switch(monkeypatch):
 
 @needs_cpu_kernels
 def test_act_grad_path_per_family(monkeypatch):
-    """The default takes the launch for the FP8 families and computes MXFP8's gradient in XLA; a Hybrid takes it
-    only where both sides' families do."""
+    """The default takes the launch for the FP8 families' gradients of ACT_GRAD_MIN_ELEMENTS elements and more
+    and computes MXFP8's gradient in XLA; a Hybrid takes it only where both sides' families do. Smaller gradients
+    are computed by XLA unless the launch is asked for outright (act_grad=kernel)."""
     from jaxhq.formats import MXFP8, Float8Block, Float8DelayedScaling, Hybrid, quantize
-    from jaxhq.formats.quantize import DEFAULT_PATHS, act_grad_path
+    from jaxhq.formats.quantize import ACT_GRAD_MIN_ELEMENTS, DEFAULT_PATHS, act_grad_path
     monkeypatch.delenv("JAXHQ_QUANTIZE_PATH", raising=False)
     monkeypatch.setenv("JAXHQ_KERNELS", "gpu")
-    both = ("rowwise", "columnwise")
-    assert [act_grad_path(q, both) for q in (Float8Block(), Float8DelayedScaling(), MXFP8(),
-                                             Hybrid(Float8Block(), MXFP8()))] == ["kernel", "kernel", "xla", "xla"]
-    assert act_grad_path(Hybrid(Float8Block(), MXFP8()), ("rowwise",)) == "kernel"
+    both, large = ("rowwise", "columnwise"), ACT_GRAD_MIN_ELEMENTS
+    assert [act_grad_path(q, both, large) for q in (Float8Block(), Float8DelayedScaling(), MXFP8(),
+                                                    Hybrid(Float8Block(), MXFP8()))] == ["kernel", "kernel", "xla", "xla"]
+    assert act_grad_path(Hybrid(Float8Block(), MXFP8()), ("rowwise",), large) == "kernel"
+    assert act_grad_path(Float8Block(), both, large - 1) == "xla"
+    monkeypatch.setenv("JAXHQ_QUANTIZE_PATH", "act_grad=kernel")
+    assert act_grad_path(Float8Block(), both, 1) == "kernel"
     monkeypatch.setenv("JAXHQ_KERNELS", "all")  # the CPU handlers take the launch, under the default's choice
     monkeypatch.setenv("JAXHQ_QUANTIZE_PATH", f"act_grad={DEFAULT_PATHS['act_grad']}")
-    h, dy = _inputs(jax.random.key(next(_seed)), 32, 256, "swiglu")
+    rows = ACT_GRAD_MIN_ELEMENTS // 256  # traced only: no kernel runs
+    big, big_dy = (jax.ShapeDtypeStruct((rows, w), jnp.bfloat16) for w in (256, 128))
+    small, small_dy = (jax.ShapeDtypeStruct((rows - 1, w), jnp.bfloat16) for w in (256, 128))
     act = f"act = {A.kernel_id('swiglu')} : i32"
+    run = jax.jit(lambda h, dy: quantize(A.input_grad(h, dy, "swiglu"), Float8Block()))
+    assert act not in run.lower(small, small_dy).as_text()
     for q, launch in ((Float8Block(), True), (MXFP8(), False), (Hybrid(Float8Block(), MXFP8()), False)):
         run = jax.jit(lambda h, dy, q=q: quantize(A.input_grad(h, dy, "swiglu"), q))
-        assert (act in run.lower(h, dy).as_text()) == launch, q
+        assert (act in run.lower(big, big_dy).as_text()) == launch, q
     monkeypatch.setenv("JAXHQ_QUANTIZE_PATH", "act_grad=fp8_block+mxfp9")
     with pytest.raises(ValueError, match="act_grad also takes families"):
         act_grad_path(MXFP8(), both)

@@ -113,16 +113,21 @@ def test_plan_shows_a_weight_copy_read_transposed(kernels_everywhere):
 
 def test_plan_shows_the_activation_launch(kernels_everywhere):
     """fc1 of an MLP whose activation it owns (no bias): its grad_output copies come out of the activation
-    gradient's launch for the default's families (FP8 blockwise, delayed scaling), not for MXFP8 (XLA's
-    gradient by default) or current scaling (an amax first); with a bias, XLA computes the gradient."""
+    gradient's launch for the default's families (FP8 blockwise, delayed scaling) where the gradient holds
+    ACT_GRAD_MIN_ELEMENTS elements or more, not for MXFP8 (XLA's gradient by default) or current scaling (an amax
+    first); with a bias, or fewer tokens, XLA computes the gradient."""
+    from jaxhq.formats.quantize import ACT_GRAD_MIN_ELEMENTS
     from jaxhq.layers import LayerNormMLP
     kernels_everywhere.setenv("JAXHQ_QUANTIZE_PATH", f"act_grad={DEFAULT_PATHS['act_grad']}")
-    x = jnp.ones((1, 128, 256), jnp.bfloat16)
+    tokens = ACT_GRAD_MIN_ELEMENTS // (2 * 4096)  # fc1's gradient: 2 x 4096 elements a token
+    x = jnp.ones((1, tokens, 256), jnp.bfloat16)
 
-    def fc1_grad_path(recipe, bias=False):
-        mlp = LayerNormMLP(d_ff=128, activation="swiglu", use_bias=bias, recipe=jaxhq.recipes.get(recipe))
+    def fc1_grad_path(recipe, bias=False, x=x):
+        mlp = LayerNormMLP(d_ff=4096, activation="swiglu", use_bias=bias, recipe=jaxhq.recipes.get(recipe))
         rows = jaxhq.plan(recipe, mlp, x).rows
         return {(r.role.name, r.role.tensor_type): r.path for r in rows}
+
+    assert fc1_grad_path("fp8_block", x=x[:, 1:])[("fc1", "grad_output")] == "kernel|kernel"
 
     for recipe, want in (("fp8_block", "kernel+act|kernel+act"), ("fp8_delayed", "kernel+act|kernel+act"),
                          ("mxfp8", "kernel+decoded|kernel+decoded"), ("fp8_current", "kernel|kernel")):

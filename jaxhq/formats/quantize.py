@@ -7,6 +7,7 @@ gradient is the identity. Training gets its gradients from the dense op's custom
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -118,7 +119,12 @@ def kernel_platforms() -> tuple:
 # copies take the launch. The FP8 ones do: the launch is 1.1-1.25x faster than XLA's gradient plus the quantize
 # kernel at fc1's shape, and in the H100-preset step's profile it takes 0.21-0.28 ms a step off the device's busy
 # time (fp8_delayed, fp8_block); MXFP8's decoded copies gained nothing there (within 0.01 ms) and took 0.22 GiB
-# more peak memory, so XLA computes its gradient (docs/ffi.md).
+# more peak memory, so XLA computes its gradient (docs/ffi.md). The launch is taken for gradients of at least
+# ACT_GRAD_MIN_ELEMENTS elements only: below, XLA's gradient + the quantize kernel is the faster pair (H200,
+# benchmarks/act_grad.py, swiglu, launch / pair: 0.83-1.04x at [4096, 2 x 3584] and [8192, 2 x 3584],
+# 0.99-1.01x at [4096, 2 x 14336], 1.06x at [8192, 2 x 14336]; the quick preset's step went from 0.954 to 0.928x
+# bf16 for fp8_delayed and from 0.964 to 0.946x for fp8_block with XLA's gradient, docs/ffi.md).
+ACT_GRAD_MIN_ELEMENTS = 1 << 26
 DEFAULT_PATHS = {"fp8": "kernel", "fp8_delayed": "kernel", "mxfp8": "kernel", "nvfp4": "kernel",
                  "fp8_block": "kernel", "amax": "xla", "act_grad": "fp8+fp8_delayed+fp8_block"}
 FAMILIES = tuple(f for f in DEFAULT_PATHS if f not in ("amax", "act_grad"))  # format families (Quantizer.name)
@@ -140,13 +146,16 @@ def quantize_paths() -> dict:
     return paths
 
 
-def act_grad_path(q: Quantizer, usage: tuple) -> str:
-    """How an activation's gradient is quantized with q into `usage`: "kernel" (its copies made by
-    one launch from h and dy, where a kernel takes them) or "xla" (the gradient computed first)."""
+def act_grad_path(q: Quantizer, usage: tuple, size: Optional[int] = None) -> str:
+    """How an activation's gradient of `size` elements is quantized with q into `usage`: "kernel" (its copies
+    made by one launch from h and dy, where a kernel takes them) or "xla" (the gradient computed first). By
+    families ('+'-joined, the default), the launch takes the listed families' gradients of at least
+    ACT_GRAD_MIN_ELEMENTS elements (or of an unknown size); "kernel" / "xla" choose for every size."""
     path = quantize_paths()["act_grad"]
     if path in ("kernel", "xla"):
         return path
-    return "kernel" if all(side(q, a).name in path.split("+") for a in usage) else "xla"
+    large = size is None or size >= ACT_GRAD_MIN_ELEMENTS
+    return "kernel" if large and all(side(q, a).name in path.split("+") for a in usage) else "xla"
 
 
 def copy_path(q: Quantizer, axis: str, platform: str) -> str:
@@ -198,7 +207,7 @@ def quantize(x, quantizer: Quantizer, usage: Usage = USAGES, *, key=None, state=
     if isinstance(x, ActivationGrad):
         if transposed or cast_to is not None:
             raise QuantizationError("an activation's gradient is quantized as it is (no transpose or cast)")
-        if act_grad_path(q, usage) == "kernel":
+        if act_grad_path(q, usage, math.prod(x.shape)) == "kernel":
             with jax.named_scope(QUANTIZE_SCOPE):
                 qt = _activation_grad_copies(x, q, usage, key, state, amax, decoded)
             if qt is not None:

@@ -39,10 +39,11 @@ def quantized_dense(m: nn.Module, x, kernel, bias, *, recipe: CustomRecipe, path
     owns the delayed-scaling state, the "quant" rng and the "weight_amax" entry of its "kernel"), then
     `activation` if given. kernel is 2D [in, out]: m's "kernel" parameter, cast, reshaped or transposed (its
     amax, where the collection holds it, is that parameter's)."""
-    introspect.record(path, dense_slots(path, output_role, grad_input_role, module_type,
-                                        activation if bias is None else None))  # a bias keeps XLA's gradient
-    qs = recipe.dense_quantizers(path, module_type)
     rows = math.prod(x.shape[:-1])
+    introspect.record(path, dense_slots(path, output_role, grad_input_role, module_type,
+                                        activation if bias is None else None,  # a bias keeps XLA's gradient
+                                        rows * kernel.shape[-1]))
+    qs = recipe.dense_quantizers(path, module_type)
     check_feature_shapes(qs, path, rows, kernel.shape[0], kernel.shape[1])
     svars = state.dense_state_vars(m, qs)
     kw = {}
