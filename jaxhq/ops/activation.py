@@ -3,10 +3,10 @@
 `Dense(activation=...)` (the dense op's `activation`) applies one to its GEMM's output. Its backward hands the
 gradient's quantization h (the GEMM's output, kept from the forward) and dy instead of the gradient itself
 (`formats.ActivationGrad`). Where a kernel takes them and the format's family is on the launch
-(formats.quantize.act_grad_path: FP8 blockwise and delayed scaling by default), the gradient's copies come out of
-one launch and the gradient is never written (csrc/activation.h computes it: exact float32 on the CPU, the
-hardware's approximations on the GPU); elsewhere JAX differentiates the forward, as it would without the op. The
-two gradients agree within bfloat16 rounding (tests/test_activation.py).
+(formats.quantize.act_grad_path: FP8 blockwise and delayed scaling by default, gradients of 2^26 elements and more),
+the gradient's copies come out of one launch and the gradient is never written (csrc/activation.h computes it: exact
+float32 on the CPU, the hardware's approximations on the GPU); elsewhere JAX differentiates the forward, as it would
+without the op. The two gradients agree within bfloat16 rounding (tests/test_activation.py).
 """
 from __future__ import annotations
 
