@@ -122,8 +122,8 @@ def kernel_platforms() -> tuple:
 # more peak memory, so XLA computes its gradient (docs/ffi.md). The launch is taken for gradients of at least
 # ACT_GRAD_MIN_ELEMENTS elements only: below, XLA's gradient + the quantize kernel is the faster pair (H200,
 # benchmarks/act_grad.py, swiglu, launch / pair: 0.83-1.04x at [4096, 2 x 3584] and [8192, 2 x 3584],
-# 0.99-1.01x at [4096, 2 x 14336], 1.06x at [8192, 2 x 14336]; the quick preset's step went from 0.954 to 0.928x
-# bf16 for fp8_delayed and from 0.964 to 0.946x for fp8_block with XLA's gradient, docs/ffi.md).
+# 0.99-1.01x at [4096, 2 x 14336], 1.06x at [8192, 2 x 14336]; in the quick preset's step, this rule against the
+# launch at every size: fp8_delayed 0.937 / 0.960x bf16, fp8_block 0.944 / 0.970x, docs/ffi.md).
 ACT_GRAD_MIN_ELEMENTS = 1 << 26
 DEFAULT_PATHS = {"fp8": "kernel", "fp8_delayed": "kernel", "mxfp8": "kernel", "nvfp4": "kernel",
                  "fp8_block": "kernel", "amax": "xla", "act_grad": "fp8+fp8_delayed+fp8_block"}
