@@ -1,5 +1,6 @@
 """The MLP activation's input gradient quantized from h and dy in one launch, against XLA computing the gradient
-and the quantize kernel reading it (the default path, JAXHQ_QUANTIZE_PATH act_grad=xla), in one process.
+and the quantize kernel reading it (JAXHQ_QUANTIZE_PATH act_grad=xla), in one process: the measurement behind
+formats.quantize.ACT_GRAD_MIN_ELEMENTS, the size from which the FP8 families take the launch.
 
 Shape: fc1's output of the H100 training preset (8192 tokens, gated 2 x 14336; --quick: 1024 x 2 x 1024), or the
 --shapes given (TOKENSxF, comma-separated; the quick preset's fc1 is 4096x3584). Per
@@ -57,7 +58,7 @@ def main():
                                                                      decoded=dec))
             unfused = jax.jit(lambda h, dy, st, q=q, dec=dec: quantize(A.input_grad(h, dy, activation).grad(), q,
                                                                        state=st, decoded=dec))
-            with environ({"JAXHQ_QUANTIZE_PATH": "act_grad=kernel"}):  # the launch (off by default), traced here
+            with environ({"JAXHQ_QUANTIZE_PATH": "act_grad=kernel"}):  # the launch at every size and format, traced here
                 moved = nbytes((h, dy)) + nbytes(fused(h, dy, st))
             t_f, t_u = bench(fused, h, dy, st), bench(unfused, h, dy, st)
             row = dict(activation=activation, format=name, shape=f"{tokens}x{width}", fused_ms=t_f * 1e3,
