@@ -58,7 +58,7 @@ def main():
                                                                      decoded=dec))
             unfused = jax.jit(lambda h, dy, st, q=q, dec=dec: quantize(A.input_grad(h, dy, activation).grad(), q,
                                                                        state=st, decoded=dec))
-            with environ({"JAXHQ_QUANTIZE_PATH": "act_grad=kernel"}):  # the launch at every size and format, traced here
+            with environ({"JAXHQ_QUANTIZE_PATH": "act_grad=kernel"}):  # the launch at any size and format, traced
                 moved = nbytes((h, dy)) + nbytes(fused(h, dy, st))
             t_f, t_u = bench(fused, h, dy, st), bench(unfused, h, dy, st)
             row = dict(activation=activation, format=name, shape=f"{tokens}x{width}", fused_ms=t_f * 1e3,

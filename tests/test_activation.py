@@ -331,8 +331,8 @@ def test_act_grad_path_per_family(monkeypatch):
     monkeypatch.delenv("JAXHQ_QUANTIZE_PATH", raising=False)
     monkeypatch.setenv("JAXHQ_KERNELS", "gpu")
     both, large = ("rowwise", "columnwise"), ACT_GRAD_MIN_ELEMENTS
-    assert [act_grad_path(q, both, large) for q in (Float8Block(), Float8DelayedScaling(), MXFP8(),
-                                                    Hybrid(Float8Block(), MXFP8()))] == ["kernel", "kernel", "xla", "xla"]
+    families = (Float8Block(), Float8DelayedScaling(), MXFP8(), Hybrid(Float8Block(), MXFP8()))
+    assert [act_grad_path(q, both, large) for q in families] == ["kernel", "kernel", "xla", "xla"]
     assert act_grad_path(Hybrid(Float8Block(), MXFP8()), ("rowwise",), large) == "kernel"
     assert act_grad_path(Float8Block(), both, large - 1) == "xla"
     monkeypatch.setenv("JAXHQ_QUANTIZE_PATH", "act_grad=kernel")
