@@ -14,8 +14,8 @@ of a shape is compiled first, then all are timed in turn for --rounds rounds (me
 during the run does not favour the first rows. jaxhq_fp8_block is 1x128 x 128x128 (forward, dgrad),
 jaxhq_fp8_block_1d1d 1x128 x 1x128 (wgrad), its `_segment8` row the MoE wgrad (K cut into 8 segments, one [M, N]
 output each: `segment_gemm`, CUTLASS) and `_segment1` the same dense GEMM on that CUTLASS kernel (one segment);
-`_cutlass1` rows: the dense FP8 GEMM on CUTLASS's grouped kernel with one group (ref = cuBLASLt's). 1x128
-operands come with their scales as the quantize launch writes them, as in a training step (`_as_in_a_step`).
+`_cutlass1` rows: the dense FP8 GEMM on CUTLASS's grouped kernel with one group (ref = cuBLASLt's). 1x128 and
+MXFP8 operands come with their scales as the quantize launch writes them, as in a training step (`_as_in_a_step`).
 Each shape's rows are printed as soon as that shape finishes; the JSON is rewritten after every shape.
 --chain N times N calls of each variant in one jitted program, each on its own copy of the operands (no call is
 merged with another), and reports the time per call: at small shapes (a d 1024 model's GEMMs, tens of us) a
@@ -40,6 +40,7 @@ from common import environ, parser, print_table, time_back_to_back, write_json
 from jaxhq.formats import MXFP8, NVFP4, Float8Block, Float8CurrentScaling, Identity, Storage, quantize
 from jaxhq.ffi import gemm as G
 from jaxhq.ffi import primitives as P
+from jaxhq.ffi.dispatch import format_id
 from jaxhq.ops.gemm import fp8_gpu_dot
 
 TN = (((1,), (1,)), ((), ()))
@@ -152,22 +153,22 @@ def variants(m, k, n, key, xla_scaled=False):
     return {name: _as_in_a_step(*entry) for name, entry in v.items()}
 
 
-def _swap_1x128(t):
-    """t, or a 1x128 Storage with its scales swapped between the Storage's [rows, nb] and the quantize launch's
-    [nb, rows] (ffi.primitives.launch_scale_shape_dtype)."""
-    if isinstance(t, Storage) and t.quantizer.name == "fp8_block" and G._fp8_mode(t, "") == G.MODE_VEC128:
-        return dataclasses.replace(t, scale_inv=P.swap_block1(t.scale_inv))
+def _launched(t):
+    """t, or a 1x128 or MXFP8 Storage with its scales swapped between the Storage's [rows, blocks] and the quantize
+    launch's [blocks, rows] (ffi.primitives.launch_scale_shape_dtype)."""
+    if isinstance(t, Storage) and (format_id(t.quantizer, t.axis) or (None,))[0] in P.ROWS_INNER_SCALES:
+        return dataclasses.replace(t, scale_inv=P.swap_rows_inner(t.scale_inv))
     return t
 
 
 def _as_in_a_step(fn, args, *env):
-    """A variant whose 1x128 operands come as a training step hands them over: their scales held as the quantize
-    launch wrote them and swapped to the Storage's layout inside the program, so the GEMM's own swap cancels
-    against it (jaxhq_gemm_fp8 and the CUTLASS kernels then read them with no transpose kernel; Storages passed in
-    as they are would cost one per call)."""
-    if not any(_swap_1x128(a) is not a for a in args):
+    """A variant whose 1x128 and MXFP8 operands come as a training step hands them over: their scales held as the
+    quantize launch wrote them and swapped to the Storage's layout inside the program, so the GEMM's own swap
+    cancels against it (jaxhq_gemm_fp8, jaxhq_gemm_dq and the CUTLASS kernels then read them with no transpose
+    kernel; Storages passed in as they are would cost one per call)."""
+    if not any(_launched(a) is not a for a in args):
         return (fn, args, *env)
-    return (jax.jit(lambda *a: fn(*map(_swap_1x128, a))), tuple(map(_swap_1x128, args)), *env)
+    return (jax.jit(lambda *a: fn(*map(_launched, a))), tuple(map(_launched, args)), *env)
 
 
 REF = {f"xla_bf16_ragged_dot_grouped{GROUPS}": "xla_bf16", f"jaxhq_bf16_grouped{GROUPS}": "xla_bf16",

@@ -3,7 +3,7 @@
 # to OUTDIR. Usage: scripts/gpu_check.sh tests|bench [OUTDIR]   (JAXHQ_CUDA_ARCHS=90a by default; 100a: Blackwell;
 # CUTLASS's headers from JAXHQ_CUTLASS_DIR, or unpacked from CUTLASS_WHEEL or .whl/nvidia_cutlass-*.whl)
 #   tests: the kernel tests (-m gpu; the quantize and activation-gradient tests once per kernel variant in VARIANTS,
-#          default: the default one) and the dense-op and layer tests on the GPU backend, side by side
+#          default: the default one) and the dense-op, layer and quantize-path tests on the GPU backend, side by side
 #   multi: (>= 2 GPUs) the sharding tests, then benchmarks/fsdp.py --gpu (FSDP_ARGS): what only a multi-GPU machine runs
 #   recheck: only the tests selected by RECHECK (a pytest -k expression over the FFI and dense-op tests)
 #   bench: (RECHECK first when set) the benchmarks named by BENCH (default "train peer gemm quantize"; also
@@ -66,10 +66,13 @@ elif [ "$MODE" = tests ]; then
     >"$OUTDIR/dense_layers_on_gpu.log" 2>&1 &
   timeout $T $PY -m pytest -q tests/test_train_state.py tests/test_train_remat.py --tb=short -p no:cacheprovider \
     >"$OUTDIR/train_on_gpu.log" 2>&1 &
+  timeout $T $PY -m pytest -q tests/test_quantize_paths.py --tb=short -p no:cacheprovider \
+    >"$OUTDIR/quantize_paths_on_gpu.log" 2>&1 &
   wait
   NGPU=$(nvidia-smi -L | wc -l)
   [ "$NGPU" -ge 2 ] && { log "sharding on $NGPU GPUs"; TEST_TIMEOUT=$T sharding_tests; }
   for f in $(for v in ${VARIANTS:-default}; do echo ffi_gpu_$v; done) gemm_gpu dense_layers_on_gpu train_on_gpu \
+      quantize_paths_on_gpu \
       $([ "$NGPU" -ge 2 ] && echo sharding_gpu); do
     log "$f"; summary "$OUTDIR/$f.log"
   done

@@ -74,7 +74,7 @@ def emu(tmp_path_factory):
                                  i32, ptr, ptr, ptr, i32, i32, ptr, i32]
     lib.emu_amax.argtypes = [ptr, i32, i64, i64, i64, i32, ptr, ptr, i32, i32]
     lib.emu_dequantize.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i64, i64, i64, i32, i32]
-    lib.emu_dequant_mxfp8.argtypes = [ptr, ptr, i64, i64, i32, ptr, i32]
+    lib.emu_dequant_mxfp8.argtypes = [ptr, ptr, i64, i64, i32, i32, ptr, i32]
     lib.emu_dequant_nvfp4.argtypes = [ptr, ptr, i64, i64, ptr, i32]
     lib.emu_stage_scales.argtypes = [ptr, i64, i64, ptr, i64, i64, i32] * 2 + [i32]
     lib.emu_nvfp4_decode.argtypes = [ptr, ptr, i64, ptr, ptr]
@@ -262,7 +262,8 @@ def test_decoded_copies_hold_the_values_of_the_codes(emu, q, shape):
         for i, (f, o) in enumerate((row, col)):
             r, c = shape if i == 0 else shape[::-1]
             np.testing.assert_array_equal(want[2 * i + 1], codes[2 * i + 1])  # the scales: as without the option
-            np.testing.assert_array_equal(want[2 * i], decoded_values(codes[2 * i], codes[2 * i + 1], f == P.NVFP4, o & P.OPT_E5M2, r, c))
+            np.testing.assert_array_equal(want[2 * i], decoded_values(codes[2 * i], codes[2 * i + 1], f == P.NVFP4,
+                                                                      o & P.OPT_E5M2, r, c, f == P.MXFP8))
         for variant, order, poison in itertools.product(VARIANTS, ORDERS, POISONS):
             err, got, _ = _quantize(emu, x, *dec, scales, seed, variant, order, poison)
             assert err == "", err
@@ -349,6 +350,9 @@ def test_dequantize_kernel_matches_cpu_code(emu, q):
     seed = np.array([[1, 2, 0, 0, *shape]], np.uint32)
     err, (data, scale, _, _), _ = _quantize(emu, x, (fmt, opts), (P.NONE, 0), scales, seed, -1, 0, 0)
     assert err == ""
+    if fmt in P.ROWS_INNER_SCALES:  # the launch's [blocks, rows] to the [rows, blocks] the dequantize reads
+        word = scale.view(np.uint32 if fmt == P.FP8_BLOCK_1x128 else np.uint8)
+        scale = np.ascontiguousarray(word.reshape(-1, shape[0]).T).view(np.uint8).reshape(-1)
     scalar = scales[:, 0].copy()
     outs = []
     for kernel, order in ((0, 0), *((1, o) for o in ORDERS)):
@@ -380,7 +384,10 @@ def _same_bf16(got, want, what):
 
 @pytest.mark.parametrize("k", [32, 96, 1024, 40])  # 40: not a multiple of 32, the 8-element kernel
 @pytest.mark.parametrize("e5m2", [False, True])
-def test_gemm_dequant_mxfp8_matches_ml_dtypes(emu, k, e5m2):
+@pytest.mark.parametrize("rows_inner", [False, True], ids=["rows_blocks", "rows_inner"])
+def test_gemm_dequant_mxfp8_matches_ml_dtypes(emu, k, e5m2, rows_inner):
+    """The GEMMs' MXFP8 dequantize against ml_dtypes, with the scales [rows, blocks] or [blocks, rows] (rows_inner:
+    as the quantize launch writes them)."""
     rng = np.random.default_rng(next(_seed))
     rows, nb = 37, -(-k // 32)
     data = rng.integers(0, 256, (rows, k), dtype=np.uint8)
@@ -391,9 +398,11 @@ def test_gemm_dequant_mxfp8_matches_ml_dtypes(emu, k, e5m2):
         sv = np.where(scales == 0xFF, np.nan, np.ldexp(np.float32(1), scales.astype(np.int32) - 127)).astype(
             np.float32)
         want = _bf16_bits(data.view(fp8).astype(np.float32) * np.repeat(sv, 32, axis=1)[:, :k])
+    given = np.ascontiguousarray(scales.T) if rows_inner else scales
     for order in ORDERS:
         out = np.full((rows, k), 0xFFFF, np.uint16)
-        assert emu.emu_dequant_mxfp8(_ptr(data), _ptr(scales), rows, k, int(e5m2), _ptr(out), order) == b""
+        assert emu.emu_dequant_mxfp8(_ptr(data), _ptr(given), rows, k, int(e5m2), int(rows_inner), _ptr(out),
+                                     order) == b""
         _same_bf16(out, want, f"mxfp8 k={k} e5m2={e5m2} order {order}")
 
 

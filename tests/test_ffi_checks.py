@@ -74,10 +74,13 @@ def as_bytes(a) -> np.ndarray:
         np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(a), jnp.uint8)).reshape(-1)
 
 
-def decoded_values(data, scale, nvfp4: bool, e5m2: bool, r: int, c: int) -> np.ndarray:
+def decoded_values(data, scale, nvfp4: bool, e5m2: bool, r: int, c: int, rows_inner: bool = False) -> np.ndarray:
     """The bytes of a decoded copy ([r, c] bfloat16: each code's value times its block scale, NVFP4 without its
-    global scale) made from a copy's code and scale bytes by ml_dtypes decodes."""
+    global scale) made from a copy's code and scale bytes by ml_dtypes decodes. rows_inner: MXFP8 scale bytes as
+    the quantize launch writes them, [blocks, r] (ffi.primitives.launch_scale_shape_dtype), not [r, blocks]."""
     data, scale = as_bytes(data), as_bytes(scale)
+    if rows_inner:
+        scale = np.ascontiguousarray(scale.reshape(-1, r).T).reshape(-1)
     if nvfp4:
         nib = np.stack([data & 15, data >> 4], axis=-1).reshape(r, -1)[:, :c]
         vals = nib.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxhq.ffi as jffi
-from jaxhq.formats import NVFP4, Float8Block, Float8CurrentScaling, Hybrid
+from jaxhq.formats import MXFP8, NVFP4, Float8Block, Float8CurrentScaling, Hybrid
 from jaxhq.formats.hybrid import side
 
 pytestmark = pytest.mark.skipif(not jffi.available("cpu"), reason="jaxhq FFI extension not built")
@@ -345,27 +345,30 @@ def test_tiny_amax_quantizes_to_finite_values(q):
         np.testing.assert_allclose(y, np.asarray(want, np.float64), rtol=2 ** -4, atol=2.0 ** -135)
 
 
-def test_block_1x128_scales_leave_the_launch_rows_contiguous():
-    """The launch writes a copy's 1x128 scales [ceil(C/128), R] (csrc/spec.h block1_scale_index: the layout the
-    FP8 GEMM hands cuBLASLt as it is); primitives.quantize hands them on as [R, ceil(C/128)]. Both against the
-    reference quantizer's scales, for rows and columns that are not multiples of 128."""
+@pytest.mark.parametrize("q", [Float8Block((1, 128)), MXFP8()], ids=lambda q: q.label)
+def test_block_scales_leave_the_launch_rows_inner(q):
+    """The launch writes a copy's 1x128 and MXFP8 scales [blocks, R] (csrc/spec.h rows_inner_scale_index; for 1x128
+    the layout the FP8 GEMM hands cuBLASLt as it is); primitives.quantize hands them on as [R, blocks]. Both
+    against the reference quantizer's scales, for rows and columns that are not multiples of the block."""
     from jaxhq.ffi import primitives as P
     from jaxhq.ffi.dispatch import format_id
-    q = Float8Block((1, 128))
-    b1, opts = format_id(q, "rowwise")
+    fmt, opts = format_id(q, "rowwise")
+    block = 128 if fmt == P.FP8_BLOCK_1x128 else 32
     x = random_input(jax.random.key(next(_seed)), (200, 300), jnp.bfloat16)
     seed, one = P.seed_words(jnp.zeros(2, jnp.uint32), 200, 300), jnp.float32(1)
     args = (x, jnp.zeros((0,), jnp.bfloat16), one.reshape(1), one.reshape(1), seed)
-    attrs = dict(row_fmt=np.int32(b1), row_opts=np.int32(opts), col_fmt=np.int32(b1), col_opts=np.int32(opts),
+    attrs = dict(row_fmt=np.int32(fmt), row_opts=np.int32(opts), col_fmt=np.int32(fmt), col_opts=np.int32(opts),
                  amax_eps=np.float32(0), act=np.int32(0))
-    outs = (P.data_shape_dtype(b1, opts, 200, 300), P.launch_scale_shape_dtype(b1, 200, 300),
-            P.data_shape_dtype(b1, opts, 300, 200), P.launch_scale_shape_dtype(b1, 300, 200),
+    outs = (P.data_shape_dtype(fmt, opts, 200, 300), P.launch_scale_shape_dtype(fmt, 200, 300),
+            P.data_shape_dtype(fmt, opts, 300, 200), P.launch_scale_shape_dtype(fmt, 300, 200),
             jax.ShapeDtypeStruct((0,), jnp.uint8))
-    assert b1 == P.FP8_BLOCK_1x128 and outs[1].shape == (3, 200) and outs[3].shape == (2, 300)
+    assert fmt in P.ROWS_INNER_SCALES
+    assert outs[1].shape == (-(-300 // block), 200) and outs[3].shape == (-(-200 // block), 300)
     raw = jax.ffi.ffi_call("jaxhq_quantize", outs, vmap_method="broadcast_all")(*args, **attrs)
     ref = reference_copies(x, q, ("rowwise", "columnwise"))
-    wrapped = P.quantize(x, (one, one), seed, (b1, opts), (b1, opts))
+    wrapped = P.quantize(x, (one, one), seed, (fmt, opts), (fmt, opts))
+    bits = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731  (E8M0 and float32 alike, as bytes)
     for got_raw, got, want in ((raw[1], wrapped[1], ref["rowwise"].scale_inv),
                                (raw[3], wrapped[3], ref["columnwise"].scale_inv)):
-        np.testing.assert_array_equal(np.asarray(got_raw), np.asarray(want).T)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        np.testing.assert_array_equal(bits(np.ascontiguousarray(np.asarray(got_raw).T)), bits(want))
+        np.testing.assert_array_equal(bits(got), bits(want))

@@ -177,29 +177,39 @@ def test_fp8_fast_accumulation_in_forward_and_dgrad(monkeypatch):
     assert flags() == [0, 0, 0]
 
 
-def test_block_gemms_take_the_quantize_launch_scales_as_they_lie(monkeypatch):
-    """fp8_block's forward, dgrad and wgrad: every 1x128 scale operand of jaxhq_gemm_fp8 is an output of a
-    jaxhq_quantize launch itself in the optimized program (the swap in ffi.primitives.quantize and the one in
-    ffi.gemm.fp8_gemm cancel; no transpose, copy or layout change between them): no re-layout kernel per GEMM."""
+@pytest.mark.parametrize("recipe", ["fp8_block", "mxfp8"])
+def test_block_gemms_take_the_quantize_launch_scales_as_they_lie(monkeypatch, recipe):
+    """fp8_block's and mxfp8's forward, dgrad and wgrad: every 1x128 scale operand of jaxhq_gemm_fp8, and every MXFP8
+    one of jaxhq_gemm_dq (codes or decoded), is an output of a jaxhq_quantize launch itself in the optimized program
+    (the swap in ffi.primitives.quantize and the GEMM's own cancel; no transpose, copy or layout change between
+    them, only the CPU backend's bitcast of E8M0 to uint8): no re-layout kernel per GEMM."""
     import re
     from jaxhq import recipes
     from jaxhq.ops import dense
     monkeypatch.setenv("JAXHQ_KERNELS", "all")
-    qs = recipes.get("fp8_block").dense_quantizers("layer")
+    qs = recipes.get(recipe).dense_quantizers("layer")
     x, w = jnp.ones((256, 512), jnp.bfloat16), jnp.ones((512, 384), jnp.bfloat16)
     f = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(dense(x, w, quantizers=qs).astype(jnp.float32) ** 2),
                                    argnums=(0, 1)))
     text = f.lower(x, w).compile().as_text()
-    quantized = set()  # get-tuple-elements of the quantize launches
+    quantized = set()  # get-tuple-elements of the quantize launches, and bitcasts of them
     launches = {m.group(1) for m in re.finditer(r"(%?[\w.-]+) = \(.*custom_call_target=\"jaxhq_quantize\"", text)}
     for m in re.finditer(r"(%?[\w.-]+) = \S+ get-tuple-element\((%?[\w.-]+)\)", text):
         if m.group(2) in launches:
             quantized.add(m.group(1))
-    gemms = [ln for ln in text.splitlines() if 'custom_call_target="jaxhq_gemm_fp8"' in ln]
+    for m in re.finditer(r"(%?[\w.-]+) = u8\S+ (?:bitcast-convert\((%?[\w.-]+)\)|fusion\((%?[\w.-]+)\), kind=kLoop, "
+                         r"calls=%?wrapped_bitcast-convert_computation[\w.]*,)", text):
+        if (m.group(2) or m.group(3)) in quantized:
+            quantized.add(m.group(1))
+    target = "jaxhq_gemm_fp8" if recipe == "fp8_block" else "jaxhq_gemm_dq"
+    gemms = [ln for ln in text.splitlines() if f'custom_call_target="{target}"' in ln]
     assert len(gemms) == 3
     for ln in gemms:
         ops = re.search(r"custom-call\(([^)]*)\)", ln).group(1).split(", ")
         ops = [o.split("*/")[-1] for o in ops]
+        if recipe == "mxfp8":  # (a, a scales, a amax, b, b scales, ...), every scale read where the launch wrote it
+            assert "rows_inner = 1" in ln and {ops[1], ops[4]} <= quantized, ln
+            continue
         modes = (int(re.search(r"mode_a = (\d)", ln).group(1)), int(re.search(r"mode_b = (\d)", ln).group(1)))
         for scale, mode in ((ops[1], modes[0]), (ops[3], modes[1])):
             assert mode != G.MODE_VEC128 or scale in quantized, ln

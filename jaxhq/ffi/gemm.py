@@ -159,7 +159,7 @@ def _fp8_scales(s: Storage, mode: int):
     launch writes and cuBLASLt reads (XLA cancels this swap against the one ffi.primitives.quantize made, so the
     launch's buffer reaches the GEMM with no re-layout kernel); others as stored."""
     sc = jnp.asarray(s.scale_inv, jnp.float32)
-    return primitives.swap_block1(sc) if mode == MODE_VEC128 else sc
+    return primitives.swap_rows_inner(sc) if mode == MODE_VEC128 else sc
 
 
 def fp8_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=None, accumulate=None,
@@ -204,6 +204,13 @@ def _dq_fmt(s: Storage, name: str) -> int:
 
 def _u8(x):
     return x if x.dtype == jnp.uint8 else lax.bitcast_convert_type(x, jnp.uint8)
+
+
+def _dq_scales(s: Storage, fmt: int):
+    """An operand's scales as jaxhq_gemm_dq(_grouped) takes them: MXFP8 ones [..., ceil(K/32), rows] (rows_inner), the
+    layout the quantize launch writes (XLA cancels this swap against the one ffi.primitives.quantize made, so the
+    launch's buffer reaches the GEMM with no transpose kernel); NVFP4 ones as stored."""
+    return _u8(s.scale_inv if fmt == FMT_NVFP4 else primitives.swap_rows_inner(s.scale_inv))
 
 
 @functools.lru_cache(maxsize=None)
@@ -374,9 +381,9 @@ def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=Non
                             vmap_method="sequential")
     data = lambda s: s.data if s.decoded else _u8(s.data)  # noqa: E731  (decoded: bf16, read as such)
     # b_kn: B's data is [K, N] (a transposed decoded copy: its scales are not read)
-    return call(data(a), _u8(a.scale_inv), amax_a, data(b), _u8(b.scale_inv), amax_b, bias_, c,
+    return call(data(a), _dq_scales(a, fa), amax_a, data(b), _dq_scales(b, fb), amax_b, bias_, c,
                 fmt_a=np.int32(fa), fmt_b=np.int32(fb), k=np.int64(k), accumulate=np.int32(accumulate is not None),
-                b_kn=np.int32(b.transposed))[0]
+                b_kn=np.int32(b.transposed), rows_inner=np.int32(fa != FMT_NVFP4))[0]
 
 
 
@@ -467,9 +474,9 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
     call = jax.ffi.ffi_call(DQ_TARGET + "_grouped", jax.ShapeDtypeStruct((t, n), out_dtype),
                             input_output_aliases=aliases,
                             vmap_method="sequential")
-    return call(_u8(a.data), _u8(a.scale_inv), amax_a, _u8(stacked.data), _u8(stacked.scale_inv), amax_b, sizes,
+    return call(_u8(a.data), _dq_scales(a, fa), amax_a, _u8(stacked.data), _dq_scales(stacked, fb), amax_b, sizes,
                 bias_, c, fmt_a=np.int32(fa), fmt_b=np.int32(fb), k=np.int64(k),
-                accumulate=np.int32(accumulate is not None))
+                accumulate=np.int32(accumulate is not None), rows_inner=np.int32(fa != FMT_NVFP4))
 
 
 def _bf16_grouped(a: Storage, stacked: Storage, sizes, out_dtype, bias, accumulate, name):

@@ -57,20 +57,26 @@ def scale_shape_dtype(fmt: int, rows: int, cols: int, batch=()):
     return None
 
 
+# The block formats whose scales the quantize launch writes rows-inner (csrc/spec.h rows_inner_scale_index).
+ROWS_INNER_SCALES = (MXFP8, FP8_BLOCK_1x128)
+
+
 def launch_scale_shape_dtype(fmt: int, rows: int, cols: int, batch=()):
-    """A copy's scale output as the quantize launch writes it: scale_shape_dtype's, except 1x128 scales, which
-    come [..., ceil(cols / 128), rows] (csrc/spec.h block1_scale_index: the layout the FP8 GEMM hands cuBLASLt
-    as it is; swap_block1 turns one layout into the other)."""
+    """A copy's scale output as the quantize launch writes it: scale_shape_dtype's, except 1x128 and MXFP8 scales,
+    which come [..., blocks, rows] (csrc/spec.h rows_inner_scale_index: a CTA's rows side by side; for 1x128 the
+    layout the FP8 GEMM hands cuBLASLt as it is; swap_rows_inner turns one layout into the other)."""
     sds = scale_shape_dtype(fmt, rows, cols, batch)
-    if fmt != FP8_BLOCK_1x128:
+    if fmt not in ROWS_INNER_SCALES:
         return sds
     return jax.ShapeDtypeStruct((*sds.shape[:-2], sds.shape[-1], sds.shape[-2]), sds.dtype)
 
 
-def swap_block1(scales):
-    """1x128 scales between the Storage's [..., rows, nb] and the quantize launch's [..., nb, rows] (its own
-    inverse). `quantize` applies it to the launch's output and the GEMMs that read the launch's layout apply it
-    again, so under jit XLA cancels the pair and the GEMM reads the launch's buffer itself."""
+def swap_rows_inner(scales):
+    """1x128 or MXFP8 scales between the Storage's [..., rows, blocks] and the quantize launch's [..., blocks, rows]
+    (its own inverse). `quantize` applies it to the launch's output and the GEMMs that read the launch's layout
+    apply it again, so under jit XLA cancels the pair and the GEMM reads the launch's buffer itself; a consumer
+    that reads the Storage's layout gets XLA's transpose, and where nothing reads the scales (a decoded copy's,
+    on Hopper) neither runs."""
     return jnp.swapaxes(scales, -1, -2)
 
 
@@ -142,8 +148,8 @@ def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False
     fp8.scale_from_amax with `amax_eps`) or the global encode scale (NVFP4; with OPT_FROM_AMAX the amax, from
     which the kernel computes nvfp4.global_encode) of each copy. Two operands rather than one stacked array, so
     two scalars made apart (NVFP4's plain and Hadamard-transformed amaxes) reach the launch without a kernel
-    that stacks them. A per-tensor copy's scale output is its scale_inv [...] float32; 1x128 scales come
-    [..., rows, ceil(cols / 128)] like every block format's (the launch writes them transposed:
+    that stacks them. A per-tensor copy's scale output is its scale_inv [...] float32; 1x128 and MXFP8 scales
+    come [..., rows, blocks] like every block format's (the launch writes them transposed:
     launch_scale_shape_dtype).
     seed [..., 6] uint32: stochastic-rounding key (2 words), then this shard's offset in the global x (row,
     column) and the global (M, K), see `seed_words`. Absent outputs are None.
@@ -176,8 +182,8 @@ def quantize(x, scales, seed, row=(NONE, 0), col=(NONE, 0), poison: bool = False
         res = jax.ffi.ffi_call("jaxhq_quantize", outs, vmap_method="broadcast_all")(*args, **attrs)
     res = [None if o is _EMPTY else r for o, r in zip(outs, res)]
     for i, fmt in ((1, rf), (3, cf)):
-        if fmt == FP8_BLOCK_1x128:
-            res[i] = swap_block1(res[i])
+        if fmt in ROWS_INNER_SCALES:
+            res[i] = swap_rows_inner(res[i])
     return tuple(res)
 
 

@@ -38,7 +38,9 @@ struct Operand {
   int32_t fmt, opts;
   int64_t rows, k, batch;
   bool decoded = false;     // data is the bf16 values [rows, k] (a kDecoded copy)
-  bool rows_inner = false;  // 1x128 scales [ceil(k/128), rows] (jaxhq_gemm_fp8's layout) instead of [rows, ...]
+  // 1x128 or MXFP8 scales [blocks, rows] (as the quantize launch writes them: jaxhq_gemm_fp8's 1x128 layout,
+  // jaxhq_gemm_dq's with rows_inner) instead of [rows, blocks]
+  bool rows_inner = false;
 };
 
 // Decodes batch element `g` of an operand to float32 [rows, k], block scales applied.
@@ -53,13 +55,14 @@ std::vector<float> decode(const Operand& o, int64_t g) {
   DequantizeArgs a;
   a.data = static_cast<const uint8_t*>(o.data) + g * data_bytes(o.fmt, o.rows, o.k);
   a.scale = static_cast<const uint8_t*>(o.scale) + g * scale_bytes(o.fmt, o.rows, o.k);
-  std::vector<float> scales;  // rows_inner: the scales as the dequantize code reads them, [rows, ceil(k/128)]
+  std::vector<uint8_t> scales;  // rows_inner: the scales as the dequantize code reads them, [rows, blocks]
   if (o.rows_inner) {
-    const int64_t kb = (o.k + 127) / 128;
-    const float* in = static_cast<const float*>(a.scale);
-    scales.resize(size_t(o.rows * kb));
+    const int64_t block = o.fmt == kFp8Block1 ? 128 : 32, size = o.fmt == kFp8Block1 ? 4 : 1;
+    const int64_t kb = (o.k + block - 1) / block;
+    const uint8_t* in = static_cast<const uint8_t*>(a.scale);
+    scales.resize(size_t(o.rows * kb * size));
     for (int64_t r = 0; r < o.rows; ++r)
-      for (int64_t j = 0; j < kb; ++j) scales[r * kb + j] = in[j * o.rows + r];
+      for (int64_t j = 0; j < kb; ++j) memcpy(&scales[(r * kb + j) * size], in + (j * o.rows + r) * size, size);
     a.scale = scales.data();
   }
   a.scalar = &one;
@@ -195,15 +198,17 @@ ffi::Error transposed_operand(const ffi::AnyBuffer& d, const ffi::AnyBuffer& s, 
 
 ffi::Error gemm_dq(ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi::AnyBuffer amax_a, ffi::AnyBuffer b, ffi::AnyBuffer sb,
                    ffi::AnyBuffer amax_b, ffi::AnyBuffer bias, ffi::AnyBuffer c, ffi::Result<ffi::AnyBuffer> out,
-                   int32_t fmt_a, int32_t fmt_b, int64_t k, int32_t accumulate, int32_t b_kn,
+                   int32_t fmt_a, int32_t fmt_b, int64_t k, int32_t accumulate, int32_t b_kn, int32_t rows_inner,
                    ffi::Result<ffi::AnyBuffer> /*workspace*/) {
   Operand oa, ob;
   std::vector<float> bv;
   if (auto e = dq_operand(a, sa, fmt_a, k, 1, "A", &oa); e.failure()) return e;
+  oa.rows_inner = rows_inner && fmt_a != kNvfp4Fmt;
   if (b_kn) {
     if (auto e = transposed_operand(b, sb, fmt_b, k, "B", &ob, &bv); e.failure()) return e;
   } else {
     if (auto e = dq_operand(b, sb, fmt_b, k, 1, "B", &ob); e.failure()) return e;
+    ob.rows_inner = rows_inner && fmt_b != kNvfp4Fmt;
     bv = decode(ob, 0);
   }
   if ((fmt_a == kNvfp4Fmt) != (fmt_b == kNvfp4Fmt)) return invalid("NVFP4 pairs only with NVFP4");
@@ -262,13 +267,14 @@ ffi::Error gemm_fp8_grouped(ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi::AnyBuffer 
 ffi::Error gemm_dq_grouped(ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi::AnyBuffer amax_a, ffi::AnyBuffer b,
                            ffi::AnyBuffer sb, ffi::AnyBuffer amax_b, ffi::AnyBuffer sizes, ffi::AnyBuffer bias,
                            ffi::AnyBuffer c, ffi::Result<ffi::AnyBuffer> out, int32_t fmt_a, int32_t fmt_b,
-                           int64_t k, int32_t accumulate) {
+                           int64_t k, int32_t accumulate, int32_t rows_inner) {
   auto bd = b.dimensions();
   if (bd.size() != 3) return invalid("grouped B must be [G, N, K / per byte], got " + dims(b));
   int64_t groups = bd[0];
   Operand oa, ob;
   if (auto e = dq_operand(a, sa, fmt_a, k, 1, "A", &oa); e.failure()) return e;
   if (auto e = dq_operand(b, sb, fmt_b, k, groups, "B", &ob); e.failure()) return e;
+  oa.rows_inner = ob.rows_inner = rows_inner && fmt_a != kNvfp4Fmt;
   if ((fmt_a == kNvfp4Fmt) != (fmt_b == kNvfp4Fmt)) return invalid("NVFP4 pairs only with NVFP4");
   if (fmt_a == kNvfp4Fmt)
     if (auto e = nvfp4_amaxes(amax_a, amax_b, groups); e.failure()) return e;

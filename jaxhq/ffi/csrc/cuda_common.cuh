@@ -80,7 +80,9 @@ __device__ __forceinline__ void cta_amax_finish(const unsigned* slot, int warps,
   if (threadIdx.x != 0) return;
   unsigned m = 0u;
   for (int w = 0; w < warps; ++w) m = maxu(m, slot[w]);
-  atomicMax(reinterpret_cast<unsigned*>(amax), m);
+  // a NaN as the canonical one (above inf, so it still wins the max): the amax's bits do not depend on the
+  // payload of the NaN in x (formats.base.abs_max)
+  atomicMax(reinterpret_cast<unsigned*>(amax), m > 0x7F800000u ? 0x7FC00000u : m);
 }
 
 // saturating_fp8 on the hardware converter (round to nearest even, saturate to finite, NaN stays NaN).

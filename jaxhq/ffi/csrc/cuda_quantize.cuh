@@ -258,7 +258,7 @@ __device__ __forceinline__ void write_scale_inv(const Params& p, int64_t b, cons
 #pragma unroll
   for (int s = 0; s < 2; ++s)
     if (p.side[s].fmt == kFp8Tensor)
-      *reinterpret_cast<float*>(p.side[s].scale + b * p.side[s].sbytes) = div_ref(1.0f, ts[s]);
+      *reinterpret_cast<float*>(p.side[s].scale + b * p.side[s].sbytes) = canonical_nan(div_ref(1.0f, ts[s]));
 }
 
 // Side s's copy: N values (16 or 8) of copy row gr from column gc, their block's amax given (block formats) and
@@ -309,15 +309,16 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
   } else if (fmt == kMxfp8) {
     const uint8_t e = mx_scale_byte<T>(amax, sp.opts & kE5M2);
     mult = e8m0_reciprocal(e);
-    if (gc % 32 == 0) scale[gr * ((C + 31) / 32) + gc / 32] = e;
+    if (gc % 32 == 0) scale[rows_inner_scale_index(gr, gc / 32, sp.R)] = e;
     encode_fp8_chunk<N, kMayDecode>(sp, b, gr, gc, mult, v, e8m0_to_f32(e));
     return;
   } else {  // FP8 blockwise: 1x128 (a scale per row and 128 columns) or 128x128
     mult = block_scale(amax, sp.opts & kPow2);
     const int64_t nb = (C + 127) / 128;
     if (gc % 128 == 0 && (fmt == kFp8Block1 || gr % 128 == 0))
-      reinterpret_cast<float*>(scale)[fmt == kFp8Block1 ? block1_scale_index(gr, gc / 128, sp.R)
-                                                        : (gr / 128) * nb + gc / 128] = div_ref(1.0f, mult);
+      reinterpret_cast<float*>(scale)[fmt == kFp8Block1 ? rows_inner_scale_index(gr, gc / 128, sp.R)
+                                                        : (gr / 128) * nb + gc / 128] =
+          canonical_nan(div_ref(1.0f, mult));
   }
   encode_fp8_chunk<N, false>(sp, b, gr, gc, mult, v);
 }

@@ -35,8 +35,8 @@ struct RegSmem {
 };
 
 // One thread per copy row of side s (format F): the row's block scales in this tile, computed once instead of by
-// every chunk of the block, stored to the scale array (MXFP8: the four E8M0 bytes of the tile's 128 columns as one
-// 32-bit store where the row allows it; 1x128: scale_inv) and kept in sm.row for the chunks (MXFP8: the four bytes;
+// every chunk of the block, stored to the scale array rows-inner (spec.h rows_inner_scale_index; MXFP8: the E8M0
+// bytes of the tile's four blocks; 1x128: scale_inv) and kept in sm.row for the chunks (MXFP8: the four bytes;
 // 1x128: the multiplier's bits). Returns the row's max |x| pattern over the tile's 128 columns.
 template <typename T, int F>
 __device__ __forceinline__ uint32_t row_scales(const Params& p, RegSmem& sm, int s, int64_t b, int cr, int64_t gr,
@@ -59,16 +59,15 @@ __device__ __forceinline__ uint32_t row_scales(const Params& p, RegSmem& sm, int
         for (int i = 0; i < 4; ++i)
           word |= uint32_t(mx_scale_byte<T>(bits_to_f32<T>(blk[i]), sp.opts & kE5M2)) << (8 * i);
         sm.row[s][cr] = word;
-        uint8_t* dst = scale + gr * nb + blk0;
-        if (nb % 4 == 0) {  // blk0 is a multiple of 4: the word is aligned and its four blocks lie in the row
-          *reinterpret_cast<uint32_t*>(dst) = word;
-        } else {
-          for (int i = 0; i < 4 && blk0 + i < nb; ++i) dst[i] = uint8_t(word >> (8 * i));
-        }
+        // a byte per block column, the warp's 32 rows side by side (spec.h rows_inner_scale_index)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          if (blk0 + i < nb) scale[rows_inner_scale_index(gr, blk0 + i, sp.R)] = uint8_t(word >> (8 * i));
       } else {
         const float mult = block_scale(bits_to_f32<T>(a), sp.opts & kPow2);
         sm.row[s][cr] = f2u(mult);
-        reinterpret_cast<float*>(scale)[block1_scale_index(gr, gc0 / 128, sp.R)] = div_ref(1.0f, mult);
+        reinterpret_cast<float*>(scale)[rows_inner_scale_index(gr, gc0 / 128, sp.R)] =
+            canonical_nan(div_ref(1.0f, mult));
       }
     }
   }

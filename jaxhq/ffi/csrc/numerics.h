@@ -52,6 +52,9 @@ JHQ_HD uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 JHQ_HD float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 JHQ_HD bool is_nan(float x) { return x != x; }
 JHQ_HD bool is_inf(float x) { return (f2u(x) & 0x7FFFFFFFu) == 0x7F800000u; }
+// x with a NaN made the canonical quiet NaN (0x7FC00000, the bits jnp.nan and formats.base.canonical_nan give):
+// the scale_inv a kernel writes for a NaN amax, whatever pattern the platform's division left.
+JHQ_HD float canonical_nan(float x) { return is_nan(x) ? u2f(0x7FC00000u) : x; }
 // jnp.maximum / jnp.minimum / jnp.clip: NaN in, NaN out.
 JHQ_HD float nmax(float a, float b) { return (is_nan(a) || is_nan(b)) ? (is_nan(a) ? a : b) : (a > b ? a : b); }
 JHQ_HD float nmin(float a, float b) { return (is_nan(a) || is_nan(b)) ? (is_nan(a) ? a : b) : (a < b ? a : b); }

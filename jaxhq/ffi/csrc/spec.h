@@ -70,11 +70,13 @@ JHQ_SPEC_HD inline int64_t scale_bytes(int32_t fmt, int64_t r, int64_t c) {
     default: return 0;
   }
 }
-// Where a quantize launch writes the 1x128 scale of block j (of ceil(C / 128)) of copy row r: at [j, r] of a
-// [ceil(C / 128), R] array, each block column's rows contiguous, which is the layout cuBLASLt's 1x128 block
-// scaling reads, so jaxhq_gemm_fp8 takes these scales where they lie (no re-layout launch per GEMM). The Python
-// wrapper (ffi/primitives.py) hands them on as [R, ceil(C / 128)], the layout every other target reads.
-JHQ_SPEC_HD inline int64_t block1_scale_index(int64_t r, int64_t j, int64_t R) { return j * R + r; }
+// Where a quantize launch writes the scale of block j (of ceil(C / 128) for 1x128, ceil(C / 32) for MXFP8) of copy
+// row r: at [j, r] of a [blocks, R] array, each block column's rows contiguous. A launch's CTA holds 128 copy rows
+// of a tile, so its threads write their rows' scales side by side (one sector per warp and block column, where
+// the [R, blocks] layout took a sector per row). For 1x128 it is the layout cuBLASLt's block scaling reads, so
+// jaxhq_gemm_fp8 takes those scales where they lie (no re-layout launch per GEMM). The Python wrapper
+// (ffi/primitives.py) hands both on as [R, blocks], the layout every other target reads.
+JHQ_SPEC_HD inline int64_t rows_inner_scale_index(int64_t r, int64_t j, int64_t R) { return j * R + r; }
 JHQ_SPEC_HD inline int64_t quantize_scale_bytes(int32_t fmt, int64_t r, int64_t c) {
   return fmt == 1 ? 4 : scale_bytes(fmt, r, c);
 }

@@ -82,15 +82,20 @@ auto dq_tail(B&& b) {
       .template Attr<int32_t>("accumulate");
 }
 
-// b_kn: B's data is [K, N], a decoded copy read transposed (jaxhq.formats.Storage.transposed)
+// b_kn: B's data is [K, N], a decoded copy read transposed (jaxhq.formats.Storage.transposed); rows_inner: MXFP8
+// scales come [ceil(K/32), rows], as the quantize launch writes them (csrc/spec.h rows_inner_scale_index)
 template <typename B>
 auto gemm_dq(B&& b) {
-  return dq_tail(dq(std::move(b))).template Attr<int32_t>("b_kn").template Ret<ffi::AnyBuffer>();  // + workspace
+  return dq_tail(dq(std::move(b)))
+      .template Attr<int32_t>("b_kn")
+      .template Attr<int32_t>("rows_inner")
+      .template Ret<ffi::AnyBuffer>();  // + workspace
 }
 
 template <typename B>
 auto gemm_dq_grouped(B&& b) {
-  return dq_tail(dq(std::move(b)).template Arg<ffi::AnyBuffer>());  // + group_sizes [G] int32
+  return dq_tail(dq(std::move(b)).template Arg<ffi::AnyBuffer>())  // + group_sizes [G] int32
+      .template Attr<int32_t>("rows_inner");  // as gemm_dq's (B: each group's scales [ceil(K/32), N])
 }
 
 }  // namespace gemm_bind

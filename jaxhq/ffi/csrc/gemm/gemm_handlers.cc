@@ -4,7 +4,8 @@
 //                   [ceil(K/128), rows] as the quantize launch writes them and read where they lie (rows % 4
 //                   == 0), other layouts re-laid-out in scratch.
 //   jaxhq_gemm_dq:  MXFP8 or NVFP4 dequantized exactly to bf16 in scratch, then a cuBLASLt bf16 GEMM with
-//                   the NVFP4 global scales as alpha on the device.
+//                   the NVFP4 global scales as alpha on the device; MXFP8 scales taken [ceil(K/32), rows] as the
+//                   quantize launch writes them (rows_inner), decoded operands used where they lie.
 //   jaxhq_gemm_mxfp8: MXFP8 on Hopper FP8 tensor cores (fp8_wgmma.cu), the 1x32 scales applied in registers;
 //                   its grouped version reads the group sizes on the device (no host synchronisation).
 //   jaxhq_gemm_nvfp4: NVFP4 on Hopper fp16 tensor cores (nvfp4_wgmma.cu), the codes decoded in shared memory.
@@ -680,14 +681,16 @@ ffi::Error gemm_fp8(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer sa, ff
   return run_with_retry(stream, scratch, c, size_t(c.k), ScaleSrc{fa, mode_a, layout, pad, mode_a == kVec128});
 }
 
-// Dequantizes `rows` rows of an MXFP8/NVFP4 operand (data and scale bytes at the given pointers) to bf16.
+// Dequantizes `rows` rows of an MXFP8/NVFP4 operand (data and scale bytes at the given pointers) to bf16;
+// rows_inner: MXFP8 scales [ceil(k/32), rows / batch] for each of `batch` stacked operands (the quantize launch's
+// layout).
 ffi::Error dequant_ptr(cudaStream_t stream, Scratch& scratch, const uint8_t* x, const uint8_t* s, int64_t rows,
-                       int32_t fmt, int64_t k, void** out) {
+                       int32_t fmt, int64_t k, void** out, bool rows_inner = false, int64_t batch = 1) {
   void* buf = scratch.get(size_t(rows) * k * 2);
   if (!buf) return out_of_scratch(scratch, "a dequantized operand");
   std::string e;
   if (fmt == kNvfp4) e = gemm::dequant_nvfp4(x, s, rows, k, buf, stream);
-  else e = gemm::dequant_mxfp8(x, s, rows, k, fmt == kMxE5M2, buf, stream);
+  else e = gemm::dequant_mxfp8(x, s, rows, k, fmt == kMxE5M2, rows_inner, buf, stream, batch);
   if (!e.empty()) return internal("dequantize: " + e);
   *out = buf;
   return ffi::Error::Success();
@@ -716,9 +719,9 @@ ffi::Error check_dq(const ffi::AnyBuffer& x, const ffi::AnyBuffer& s, int64_t gr
 // would write) is used where it lies.
 bool decoded(const ffi::AnyBuffer& x) { return x.element_type() == ffi::DataType::BF16; }
 
-// kn: the operand is a decoded copy stored [K, rows] (read transposed).
+// kn: the operand is a decoded copy stored [K, rows] (read transposed); rows_inner: dequant_ptr's.
 ffi::Error dequant(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuffer& x, const ffi::AnyBuffer& s,
-                   int32_t fmt, int64_t k, const char* which, void** out, int64_t* rows, bool kn = false) {
+                   int32_t fmt, int64_t k, const char* which, void** out, int64_t* rows, bool kn, bool rows_inner) {
   auto d = x.dimensions();
   if (d.size() != 2) return invalid(std::string(which) + " data must be 2D, got " + dims(x));
   *rows = d[kn ? 1 : 0];
@@ -731,7 +734,7 @@ ffi::Error dequant(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuffer& 
   }
   if (auto e = check_dq(x, s, 1, d[0], fmt, k, which); e.failure()) return e;
   return dequant_ptr(stream, scratch, static_cast<const uint8_t*>(x.untyped_data()),
-                     static_cast<const uint8_t*>(s.untyped_data()), d[0], fmt, k, out);
+                     static_cast<const uint8_t*>(s.untyped_data()), d[0], fmt, k, out, rows_inner);
 }
 
 int compute_major() {  // of the current device (0 when it cannot be read)
@@ -749,15 +752,18 @@ int32_t dq_lt_type(int32_t fmt) { return fmt == kNvfp4 ? lt::kR4F_E2M1 : fmt == 
 // scales swizzled into its 128x4 tiles, the NVFP4 global scales as device alpha.
 ffi::Error gemm_native(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuffer& a, const ffi::AnyBuffer& sa,
                        const ffi::AnyBuffer& amax_a, const ffi::AnyBuffer& b, const ffi::AnyBuffer& sb,
-                       const ffi::AnyBuffer& amax_b, LtCall c, int32_t fmt_a, int32_t fmt_b) {
+                       const ffi::AnyBuffer& amax_b, LtCall c, int32_t fmt_a, int32_t fmt_b, bool rows_inner) {
   const int64_t block = fmt_a == kNvfp4 ? 16 : 32;
   const int64_t cols = cdiv(c.k, block);
   if (c.k % (fmt_a == kNvfp4 ? 32 : 16)) return invalid("native block-scaled GEMM needs K % 32 (NVFP4) / 16 (MXFP8)");
   uint8_t* ssa = static_cast<uint8_t*>(scratch.get(gemm::swizzled_bytes(c.m, cols)));
   uint8_t* ssb = static_cast<uint8_t*>(scratch.get(gemm::swizzled_bytes(c.n, cols)));
   if (!ssa || !ssb) return out_of_scratch(scratch, "swizzled scales");
-  std::string e = gemm::swizzle_block_scales(static_cast<const uint8_t*>(sa.untyped_data()), c.m, cols, ssa, stream);
-  if (e.empty()) e = gemm::swizzle_block_scales(static_cast<const uint8_t*>(sb.untyped_data()), c.n, cols, ssb, stream);
+  const bool inner = rows_inner && fmt_a != kNvfp4;  // MXFP8 scales as the quantize launch writes them
+  std::string e =
+      gemm::swizzle_block_scales(static_cast<const uint8_t*>(sa.untyped_data()), c.m, cols, inner, ssa, stream);
+  if (e.empty())
+    e = gemm::swizzle_block_scales(static_cast<const uint8_t*>(sb.untyped_data()), c.n, cols, inner, ssb, stream);
   if (!e.empty()) return internal("swizzle: " + e);
   c.type_a = dq_lt_type(fmt_a), c.type_b = dq_lt_type(fmt_b);
   c.a = a.untyped_data(), c.b = b.untyped_data();
@@ -777,7 +783,7 @@ ffi::Error gemm_native(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuff
 ffi::Error gemm_dq(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi::AnyBuffer amax_a, ffi::AnyBuffer b,
                    ffi::AnyBuffer sb, ffi::AnyBuffer amax_b, ffi::AnyBuffer bias, ffi::AnyBuffer cin,
                    ffi::Result<ffi::AnyBuffer> out, int32_t fmt_a, int32_t fmt_b, int64_t k, int32_t accumulate,
-                   int32_t b_kn, ffi::Result<ffi::AnyBuffer> workspace) {
+                   int32_t b_kn, int32_t rows_inner, ffi::Result<ffi::AnyBuffer> workspace) {
   Scratch scratch{workspace};
   if (native_block_scaling() && k % 32 == 0 && !(fmt_a == kMxE5M2 && fmt_b == kMxE5M2) && !decoded(a) && !decoded(b)) {
     auto da = a.dimensions(), db = b.dimensions();
@@ -788,13 +794,17 @@ ffi::Error gemm_dq(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer sa, ffi
     if (auto e = check_dq(b, sb, 1, c.n, fmt_b, k, "B"); e.failure()) return e;
     if (auto e = check_out(c.m, c.n, bias, cin, out, accumulate, &c); e.failure()) return e;
     if (c.m == 0 || c.n == 0) return ffi::Error::Success();
-    return gemm_native(stream, scratch, a, sa, amax_a, b, sb, amax_b, c, fmt_a, fmt_b);
+    return gemm_native(stream, scratch, a, sa, amax_a, b, sb, amax_b, c, fmt_a, fmt_b, rows_inner != 0);
   }
   LtCall c{};
   void *da = nullptr, *db = nullptr;
   if ((fmt_a == kNvfp4) != (fmt_b == kNvfp4)) return invalid("NVFP4 pairs only with NVFP4");
-  if (auto e = dequant(stream, scratch, a, sa, fmt_a, k, "A", &da, &c.m); e.failure()) return e;
-  if (auto e = dequant(stream, scratch, b, sb, fmt_b, k, "B", &db, &c.n, b_kn != 0); e.failure()) return e;
+  if (auto e = dequant(stream, scratch, a, sa, fmt_a, k, "A", &da, &c.m, false, rows_inner && fmt_a != kNvfp4);
+      e.failure())
+    return e;
+  if (auto e = dequant(stream, scratch, b, sb, fmt_b, k, "B", &db, &c.n, b_kn != 0, rows_inner && fmt_b != kNvfp4);
+      e.failure())
+    return e;
   c.k = k;
   c.b_kn = b_kn != 0;
   if (auto e = check_out(c.m, c.n, bias, cin, out, accumulate, &c); e.failure()) return e;
@@ -955,7 +965,7 @@ bool dq_grouped_on_device(const LtCall& c, const gemm::CutlassGrouped& p) {
 ffi::Error gemm_dq_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi::AnyBuffer a, ffi::AnyBuffer sa,
                            ffi::AnyBuffer amax_a, ffi::AnyBuffer b, ffi::AnyBuffer sb, ffi::AnyBuffer amax_b,
                            ffi::AnyBuffer gs, ffi::AnyBuffer bias, ffi::AnyBuffer cin, ffi::Result<ffi::AnyBuffer> out,
-                           int32_t fmt_a, int32_t fmt_b, int64_t k, int32_t accumulate) {
+                           int32_t fmt_a, int32_t fmt_b, int64_t k, int32_t accumulate, int32_t rows_inner) {
   Scratch scratch{alloc};
   auto da = a.dimensions(), db = b.dimensions();
   if (da.size() != 2 || db.size() != 3) return invalid("grouped: A must be 2D and B 3D, got " + dims(a) + " and " + dims(b));
@@ -974,10 +984,15 @@ ffi::Error gemm_dq_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi
   c.n = n, c.k = k;
   if (auto e = check_grouped_out(t, groups, n, &bias, cin, out, accumulate, &c); e.failure()) return e;
   void *dqa = nullptr, *dqb = nullptr;
+  const bool inner = rows_inner && fmt_a != kNvfp4;  // MXFP8 scales as the quantize launch writes them
   if (auto e = dequant_ptr(stream, scratch, static_cast<const uint8_t*>(a.untyped_data()),
-                           static_cast<const uint8_t*>(sa.untyped_data()), t, fmt_a, k, &dqa); e.failure()) return e;
+                           static_cast<const uint8_t*>(sa.untyped_data()), t, fmt_a, k, &dqa, inner);
+      e.failure())
+    return e;
   if (auto e = dequant_ptr(stream, scratch, static_cast<const uint8_t*>(b.untyped_data()),
-                           static_cast<const uint8_t*>(sb.untyped_data()), groups * n, fmt_b, k, &dqb); e.failure()) return e;
+                           static_cast<const uint8_t*>(sb.untyped_data()), groups * n, fmt_b, k, &dqb, inner, groups);
+      e.failure())
+    return e;
 #ifdef JAXHQ_WITH_CUTLASS
   gemm::CutlassGrouped p{};
   p.a = dqa, p.b = dqb, p.group_sizes = static_cast<const int32_t*>(gs.untyped_data()), p.out = c.d;

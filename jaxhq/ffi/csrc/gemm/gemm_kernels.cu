@@ -62,14 +62,16 @@ __device__ __forceinline__ float2 fp8x2_to_float2(uint16_t v, bool e5m2) {
 }
 
 __global__ void mxfp8_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scales, int64_t rows,
-                             int64_t k, bool e5m2, __nv_bfloat162* __restrict__ out) {
+                             int64_t k, bool e5m2, bool rows_inner, int64_t rows_each,
+                             __nv_bfloat162* __restrict__ out) {
   // one thread: 8 consecutive elements of one row (k % 8 == 0, so a group never straddles rows)
   int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   int64_t groups_per_row = k / 8;
   if (g >= rows * groups_per_row) return;
   int64_t r = g / groups_per_row, c = (g % groups_per_row) * 8;
   int64_t sb = (k + 31) / 32;
-  float s = e8m0_value(scales[r * sb + c / 32]);
+  const int64_t b = r / rows_each;  // the batch element (rows_inner: each one's scales [sb, rows_each])
+  float s = e8m0_value(scales[rows_inner ? (b * sb + c / 32) * rows_each + (r - b * rows_each) : r * sb + c / 32]);
   uint2 raw = *reinterpret_cast<const uint2*>(data + r * k + c);
   uint32_t w[2] = {raw.x, raw.y};
   __nv_bfloat162 o[4];
@@ -105,6 +107,15 @@ struct Mxfp8Groups {
   using Word = uint2;
   static constexpr int kPerScale = 4;
   bool e5m2;
+  // rows_inner: each batch element's scales come [k / 32, rows] (the quantize launch's layout); group g is row
+  // g / gpr, block (g % gpr) / 4 of it (gpr = k / 8 groups a row)
+  bool rows_inner;
+  int64_t rows, gpr;
+  __device__ __forceinline__ int64_t scale_index(int64_t g) const {
+    if (!rows_inner) return g / kPerScale;
+    const int64_t r = g / gpr, b = r / rows;
+    return b * rows * (gpr / kPerScale) + ((g - r * gpr) / kPerScale) * rows + (r - b * rows);
+  }
   __device__ __forceinline__ uint4 decode(uint2 w, uint8_t e) const {
     const float s = e8m0_value(e);
     const uint32_t v[2] = {w.x, w.y};
@@ -123,6 +134,7 @@ struct Mxfp8Groups {
 struct Nvfp4Groups {
   using Word = uint32_t;
   static constexpr int kPerScale = 2;
+  __device__ __forceinline__ int64_t scale_index(int64_t g) const { return g / kPerScale; }
   __device__ __forceinline__ uint4 decode(uint32_t w, uint8_t sc) const {
     const float s = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(sc), __NV_E4M3)));
     uint4 o;
@@ -148,7 +160,7 @@ __global__ void stream_kernel(const typename F::Word* __restrict__ data, const u
     const int64_t g = g0 + int64_t(i) * kThreads;
     if (g < groups) {
       w[i] = __ldg(data + g);
-      sc[i] = __ldg(scales + g / F::kPerScale);
+      sc[i] = __ldg(scales + fmt.scale_index(g));
     }
   }
 #pragma unroll
@@ -190,22 +202,25 @@ __global__ void epilogue_kernel(T* out, const T* tmp, const T* bias, int64_t m, 
 }
 
 // One thread per output byte: tile (r / 128, c / 4) of 512 bytes, inside it [32][4][4] = (r % 32, r / 32 % 4, c % 4).
-__global__ void swizzle_kernel(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out, int64_t prow, int64_t pcol) {
+// rows_inner: `in` is [cols, rows] (the quantize launch's MXFP8 layout).
+__global__ void swizzle_kernel(const uint8_t* in, int64_t rows, int64_t cols, bool rows_inner, uint8_t* out,
+                               int64_t prow, int64_t pcol) {
   int64_t o = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (o >= prow * pcol) return;
   int64_t tile = o / 512, w = o % 512;
   int64_t col_tiles = pcol / 4;
   int64_t tr = tile / col_tiles, tc = tile % col_tiles;
   int64_t r = tr * 128 + (w / 16) + 32 * ((w / 4) % 4), c = tc * 4 + w % 4;
-  out[o] = (r < rows && c < cols) ? in[r * cols + c] : uint8_t(0);
+  out[o] = (r < rows && c < cols) ? in[rows_inner ? c * rows + r : r * cols + c] : uint8_t(0);
 }
 
 }  // namespace
 
-std::string swizzle_block_scales(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out, cudaStream_t s) {
+std::string swizzle_block_scales(const uint8_t* in, int64_t rows, int64_t cols, bool rows_inner, uint8_t* out,
+                                 cudaStream_t s) {
   int64_t prow = (rows + 127) / 128 * 128, pcol = (cols + 3) / 4 * 4;
   if (prow * pcol > 0)
-    launch_kernel(swizzle_kernel, blocks_for(prow * pcol), kThreads, 0, s, in, rows, cols, out, prow, pcol);
+    launch_kernel(swizzle_kernel, blocks_for(prow * pcol), kThreads, 0, s, in, rows, cols, rows_inner, out, prow, pcol);
   return last_error();
 }
 
@@ -225,17 +240,21 @@ std::string stage_scales(const ScaleStage& a, const ScaleStage& b, cudaStream_t 
 }
 
 std::string dequant_mxfp8(const uint8_t* data, const uint8_t* scales, int64_t rows, int64_t k, bool e5m2,
-                          void* out_bf16, cudaStream_t s) {
+                          bool rows_inner, void* out_bf16, cudaStream_t s, int64_t batch) {
+  if (batch < 1 || rows % batch)
+    return "dequant_mxfp8: " + std::to_string(rows) + " rows in " + std::to_string(batch) + " batch elements";
+  const int64_t each = rows / batch;
   if (k % 32 == 0) {
     const int64_t groups = rows * (k / 8);
     if (groups > 0)
       launch_kernel(stream_kernel<Mxfp8Groups>, stream_blocks(groups), kThreads, 0, s,
-                    reinterpret_cast<const uint2*>(data), scales, groups, Mxfp8Groups{e5m2}, static_cast<uint4*>(out_bf16));
+                    reinterpret_cast<const uint2*>(data), scales, groups, Mxfp8Groups{e5m2, rows_inner, each, k / 8},
+                    static_cast<uint4*>(out_bf16));
     return last_error();
   }
   int64_t n = rows * (k / 8);
   if (n > 0)
-    launch_kernel(mxfp8_kernel, blocks_for(n), kThreads, 0, s, data, scales, rows, k, e5m2,
+    launch_kernel(mxfp8_kernel, blocks_for(n), kThreads, 0, s, data, scales, rows, k, e5m2, rows_inner, each,
                   static_cast<__nv_bfloat162*>(out_bf16));
   return last_error();
 }

@@ -24,8 +24,10 @@ struct ScaleStage {
 std::string stage_scales(const ScaleStage& a, const ScaleStage& b, cudaStream_t s);
 
 // MXFP8 [rows, k] fp8 (e5m2 when `e5m2`) with E8M0 scales [rows, ceil(k/32)] -> bf16 [rows, k]; k % 8 == 0.
+// rows_inner: the rows are `batch` stacked operands, each one's scales [ceil(k/32), rows / batch] (the quantize
+// launch's layout).
 std::string dequant_mxfp8(const uint8_t* data, const uint8_t* scales, int64_t rows, int64_t k, bool e5m2,
-                          void* out_bf16, cudaStream_t s);
+                          bool rows_inner, void* out_bf16, cudaStream_t s, int64_t batch = 1);
 
 // NVFP4 [rows, k/2] packed E2M1 with E4M3 scales [rows, k/16] -> bf16 [rows, k] of e2m1 * e4m3 (exact; the
 // global scale is left out); k % 16 == 0.
@@ -39,9 +41,10 @@ std::string nvfp4_alpha(const float* amax_a, const float* amax_b, float beta, fl
 std::string epilogue(void* out, const void* tmp, const void* bias, int64_t m, int64_t n, bool f32, bool accumulate,
                      cudaStream_t s);
 
-// Block scales [rows, cols] (one byte each, row-major) -> the 128x4-tile interleaved layout of cuBLASLt's
-// VEC32_UE8M0 / VEC16_UE4M3 modes (Blackwell): rows padded to 128, cols to 4, padding 0.
-std::string swizzle_block_scales(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out, cudaStream_t s);
+// Block scales [rows, cols] (one byte each, row-major; rows_inner: [cols, rows]) -> the 128x4-tile interleaved
+// layout of cuBLASLt's VEC32_UE8M0 / VEC16_UE4M3 modes (Blackwell): rows padded to 128, cols to 4, padding 0.
+std::string swizzle_block_scales(const uint8_t* in, int64_t rows, int64_t cols, bool rows_inner, uint8_t* out,
+                                 cudaStream_t s);
 inline int64_t swizzled_bytes(int64_t rows, int64_t cols) { return (rows + 127) / 128 * 128 * ((cols + 3) / 4 * 4); }
 
 }  // namespace gemm
