@@ -241,6 +241,7 @@ std::string stage_scales(const ScaleStage& a, const ScaleStage& b, cudaStream_t 
 
 std::string dequant_mxfp8(const uint8_t* data, const uint8_t* scales, int64_t rows, int64_t k, bool e5m2,
                           bool rows_inner, void* out_bf16, cudaStream_t s, int64_t batch) {
+  if (rows == 0) return "";
   if (batch < 1 || rows % batch)
     return "dequant_mxfp8: " + std::to_string(rows) + " rows in " + std::to_string(batch) + " batch elements";
   const int64_t each = rows / batch;
