@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -86,3 +87,15 @@ def time_back_to_back(fn, *args, iters: int = 10, reps: int = 5):
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / iters)
     return sorted(times)[len(times) // 2], times
+
+
+def as_launched(t):
+    """t, or a 1x128 or MXFP8 Storage with its scales swapped to the quantize launch's [blocks, rows]
+    (ffi.primitives.swap_rows_inner): how a training step hands them to the GEMMs, which swap them back, so under
+    jit XLA cancels the pair (timed as Storages, the launch would carry XLA's transposes)."""
+    from jaxhq.ffi.dispatch import format_id
+    from jaxhq.ffi.primitives import ROWS_INNER_SCALES, swap_rows_inner
+    from jaxhq.formats import Storage
+    if isinstance(t, Storage) and (format_id(t.quantizer, t.axis) or (None,))[0] in ROWS_INNER_SCALES:
+        return dataclasses.replace(t, scale_inv=swap_rows_inner(t.scale_inv))
+    return t

@@ -27,7 +27,6 @@ A shape is MxKxN (out[M, N] = A[M, K] @ B[N, K].T).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import gc
 import time
@@ -36,11 +35,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from common import environ, parser, print_table, time_back_to_back, write_json
+from common import as_launched, environ, parser, print_table, time_back_to_back, write_json
 from jaxhq.formats import MXFP8, NVFP4, Float8Block, Float8CurrentScaling, Identity, Storage, quantize
 from jaxhq.ffi import gemm as G
 from jaxhq.ffi import primitives as P
-from jaxhq.ffi.dispatch import format_id
 from jaxhq.ops.gemm import fp8_gpu_dot
 
 TN = (((1,), (1,)), ((), ()))
@@ -153,22 +151,14 @@ def variants(m, k, n, key, xla_scaled=False):
     return {name: _as_in_a_step(*entry) for name, entry in v.items()}
 
 
-def _launched(t):
-    """t, or a 1x128 or MXFP8 Storage with its scales swapped between the Storage's [rows, blocks] and the quantize
-    launch's [blocks, rows] (ffi.primitives.launch_scale_shape_dtype)."""
-    if isinstance(t, Storage) and (format_id(t.quantizer, t.axis) or (None,))[0] in P.ROWS_INNER_SCALES:
-        return dataclasses.replace(t, scale_inv=P.swap_rows_inner(t.scale_inv))
-    return t
-
-
 def _as_in_a_step(fn, args, *env):
     """A variant whose 1x128 and MXFP8 operands come as a training step hands them over: their scales held as the
     quantize launch wrote them and swapped to the Storage's layout inside the program, so the GEMM's own swap
     cancels against it (jaxhq_gemm_fp8, jaxhq_gemm_dq and the CUTLASS kernels then read them with no transpose
     kernel; Storages passed in as they are would cost one per call)."""
-    if not any(_launched(a) is not a for a in args):
+    if not any(as_launched(a) is not a for a in args):
         return (fn, args, *env)
-    return (jax.jit(lambda *a: fn(*map(_launched, a))), tuple(map(_launched, args)), *env)
+    return (jax.jit(lambda *a: fn(*map(as_launched, a))), tuple(map(as_launched, args)), *env)
 
 
 REF = {f"xla_bf16_ragged_dot_grouped{GROUPS}": "xla_bf16", f"jaxhq_bf16_grouped{GROUPS}": "xla_bf16",

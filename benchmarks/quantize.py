@@ -5,13 +5,12 @@ effective bandwidth (input bytes once, twice for formats that need the per-tenso
 output byte), its fraction of the copy bandwidth, and the speedup over XLA. Hybrid pairs are also timed as
 two separate single-copy kernel passes. Cases ending in `_dec` write both copies decoded (their bf16 values,
 as the training step does on Hopper for the copies a GEMM reads at once; docs/gemm.md). The copies are timed as
-the GEMMs take them: 1x128 and MXFP8 scales in the quantize launch's rows-inner layout (as_launched), so no
-transpose of XLA's is timed with the launch. Prints a table; writes JSON (--out).
+the GEMMs take them: 1x128 and MXFP8 scales in the quantize launch's rows-inner layout (common.as_launched), so
+no transpose of XLA's is timed with the launch. Prints a table; writes JSON (--out).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import os
@@ -20,10 +19,9 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from common import time_back_to_back
+from common import as_launched, time_back_to_back
 from jaxhq.ffi import available
-from jaxhq.ffi.dispatch import format_id, quantize_copies
-from jaxhq.ffi.primitives import ROWS_INNER_SCALES, swap_rows_inner
+from jaxhq.ffi.dispatch import quantize_copies
 from jaxhq.formats import MXFP8, NVFP4, Float8Block, Float8CurrentScaling, Hybrid
 from jaxhq.formats.base import USAGES
 from jaxhq.formats.hybrid import side
@@ -32,15 +30,9 @@ from jaxhq.formats.hybrid import side
 bench = functools.partial(time_back_to_back, iters=20, reps=7)
 
 
-def as_launched(copies):
-    """The copies as the GEMMs take them: 1x128 and MXFP8 scales swapped back to the quantize launch's [blocks,
-    rows] (ffi.primitives.swap_rows_inner, as jaxhq_gemm_fp8 and jaxhq_gemm_dq read them), so XLA cancels the
-    swap the wrapper made and the timed program is the launch alone, as in a training step."""
-    out = {}
-    for a, s in copies.items():
-        fmt = (format_id(s.quantizer, a) or (None,))[0]
-        out[a] = dataclasses.replace(s, scale_inv=swap_rows_inner(s.scale_inv)) if fmt in ROWS_INNER_SCALES else s
-    return out
+def launched(copies):
+    """The copies as the GEMMs take them (common.as_launched), so the timed program is the launch alone."""
+    return {a: as_launched(s) for a, s in copies.items()}
 
 
 def nbytes(tree):
@@ -111,7 +103,7 @@ def main():
         decoded = usage if name.endswith("_dec") else ()
 
         def copies(x, k, q=q, usage=usage, decoded=decoded):
-            return as_launched(quantize_copies(x, q, usage, key=k, decoded=decoded))
+            return launched(quantize_copies(x, q, usage, key=k, decoded=decoded))
 
         kern = jax.jit(copies)
         out = kern(x, key)
@@ -129,8 +121,8 @@ def main():
             except Exception as e:  # noqa: BLE001
                 row.update(xla_error=str(e)[:200])
         if isinstance(q, Hybrid):
-            r1 = jax.jit(lambda x, k, q=q: as_launched(quantize_copies(x, q.rowwise, ("rowwise",), key=k)))
-            r2 = jax.jit(lambda x, k, q=q: as_launched(quantize_copies(x, q.columnwise, ("columnwise",), key=k)))
+            r1 = jax.jit(lambda x, k, q=q: launched(quantize_copies(x, q.rowwise, ("rowwise",), key=k)))
+            r2 = jax.jit(lambda x, k, q=q: launched(quantize_copies(x, q.columnwise, ("columnwise",), key=k)))
             two = jax.jit(lambda x, k: (r1(x, k), r2(x, k)))
             t2, _ = bench(two, x, key)
             row.update(two_pass_ms=t2 * 1e3, fused_speedup=t2 / t)

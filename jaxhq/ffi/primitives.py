@@ -75,8 +75,7 @@ def swap_rows_inner(scales):
     """1x128 or MXFP8 scales between the Storage's [..., rows, blocks] and the quantize launch's [..., blocks, rows]
     (its own inverse). `quantize` applies it to the launch's output and the GEMMs that read the launch's layout
     apply it again, so under jit XLA cancels the pair and the GEMM reads the launch's buffer itself; a consumer
-    that reads the Storage's layout gets XLA's transpose, and where nothing reads the scales (a decoded copy's,
-    on Hopper) neither runs."""
+    that reads the Storage's layout gets XLA's transpose."""
     return jnp.swapaxes(scales, -1, -2)
 
 
