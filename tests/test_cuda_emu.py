@@ -74,7 +74,7 @@ def emu(tmp_path_factory):
                                  i32, ptr, ptr, ptr, i32, i32, ptr, i32]
     lib.emu_amax.argtypes = [ptr, i32, i64, i64, i64, i32, ptr, ptr, i32, i32]
     lib.emu_dequantize.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i64, i64, i64, i32, i32]
-    lib.emu_dequant_mxfp8.argtypes = [ptr, ptr, i64, i64, i32, i32, ptr, i32]
+    lib.emu_dequant_mxfp8.argtypes = [ptr, ptr, i64, i64, i32, i32, i64, ptr, i32]
     lib.emu_dequant_nvfp4.argtypes = [ptr, ptr, i64, i64, ptr, i32]
     lib.emu_stage_scales.argtypes = [ptr, i64, i64, ptr, i64, i64, i32] * 2 + [i32]
     lib.emu_nvfp4_decode.argtypes = [ptr, ptr, i64, ptr, ptr]
@@ -384,12 +384,14 @@ def _same_bf16(got, want, what):
 
 @pytest.mark.parametrize("k", [32, 96, 1024, 40])  # 40: not a multiple of 32, the 8-element kernel
 @pytest.mark.parametrize("e5m2", [False, True])
-@pytest.mark.parametrize("rows_inner", [False, True], ids=["rows_blocks", "rows_inner"])
-def test_gemm_dequant_mxfp8_matches_ml_dtypes(emu, k, e5m2, rows_inner):
+@pytest.mark.parametrize("rows_inner,batch", [(False, 1), (True, 1), (True, 3)],
+                         ids=["rows_blocks", "rows_inner", "rows_inner_stacked3"])
+def test_gemm_dequant_mxfp8_matches_ml_dtypes(emu, k, e5m2, rows_inner, batch):
     """The GEMMs' MXFP8 dequantize against ml_dtypes, with the scales [rows, blocks] or [blocks, rows] (rows_inner:
-    as the quantize launch writes them)."""
+    as the quantize launch writes them), of one operand or of `batch` stacked ones (the grouped GEMM's weights:
+    each one's scales [blocks, rows / batch])."""
     rng = np.random.default_rng(next(_seed))
-    rows, nb = 37, -(-k // 32)
+    rows, nb = 37 * batch, -(-k // 32)
     data = rng.integers(0, 256, (rows, k), dtype=np.uint8)
     scales = rng.integers(100, 155, (rows, nb), dtype=np.uint8)
     scales[0, 0], scales[1, 0], scales[2, 0] = 0, 0xFF, 254  # 2^-127, NaN, 2^127
@@ -398,10 +400,10 @@ def test_gemm_dequant_mxfp8_matches_ml_dtypes(emu, k, e5m2, rows_inner):
         sv = np.where(scales == 0xFF, np.nan, np.ldexp(np.float32(1), scales.astype(np.int32) - 127)).astype(
             np.float32)
         want = _bf16_bits(data.view(fp8).astype(np.float32) * np.repeat(sv, 32, axis=1)[:, :k])
-    given = np.ascontiguousarray(scales.T) if rows_inner else scales
+    given = np.ascontiguousarray(scales.reshape(batch, rows // batch, nb).transpose(0, 2, 1)) if rows_inner else scales
     for order in ORDERS:
         out = np.full((rows, k), 0xFFFF, np.uint16)
-        assert emu.emu_dequant_mxfp8(_ptr(data), _ptr(given), rows, k, int(e5m2), int(rows_inner), _ptr(out),
+        assert emu.emu_dequant_mxfp8(_ptr(data), _ptr(given), rows, k, int(e5m2), int(rows_inner), batch, _ptr(out),
                                      order) == b""
         _same_bf16(out, want, f"mxfp8 k={k} e5m2={e5m2} order {order}")
 

@@ -96,9 +96,9 @@ const char* emu_dequantize(const void* data, const void* scale, const float* sca
 
 // The GEMMs' dequantization of an MXFP8 / NVFP4 operand [rows, k] to bf16 (gemm/gemm_kernels.cu).
 const char* emu_dequant_mxfp8(const uint8_t* data, const uint8_t* scales, int64_t rows, int64_t k, int e5m2,
-                              int rows_inner, void* out, int order) {
+                              int rows_inner, int64_t batch, void* out, int order) {
   emu::set_order(order);
-  return status(jaxhq::gemm::dequant_mxfp8(data, scales, rows, k, e5m2 != 0, rows_inner != 0, out, nullptr));
+  return status(jaxhq::gemm::dequant_mxfp8(data, scales, rows, k, e5m2 != 0, rows_inner != 0, out, nullptr, batch));
 }
 
 const char* emu_dequant_nvfp4(const uint8_t* data, const uint8_t* scales, int64_t rows, int64_t k, void* out,
