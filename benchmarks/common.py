@@ -93,9 +93,9 @@ def as_launched(t):
     """t, or a 1x128 or MXFP8 Storage with its scales swapped to the quantize launch's [blocks, rows]
     (ffi.primitives.swap_rows_inner): how a training step hands them to the GEMMs, which swap them back, so under
     jit XLA cancels the pair (timed as Storages, the launch would carry XLA's transposes)."""
-    from jaxhq.ffi.dispatch import format_id
-    from jaxhq.ffi.primitives import ROWS_INNER_SCALES, swap_rows_inner
+    from jaxhq.ffi.dispatch import rows_inner_scales
+    from jaxhq.ffi.primitives import swap_rows_inner
     from jaxhq.formats import Storage
-    if isinstance(t, Storage) and (format_id(t.quantizer, t.axis) or (None,))[0] in ROWS_INNER_SCALES:
+    if isinstance(t, Storage) and rows_inner_scales(t):
         return dataclasses.replace(t, scale_inv=swap_rows_inner(t.scale_inv))
     return t

@@ -57,9 +57,15 @@ def _bits(a):
 
 def _copy_shapes(quantizer, k):
     """{copy: Counter of the 2D arrays' shapes (data, block scales)} of the weight's quantized copies, which
-    is what a weight all-gather produces (the rowwise copy [out, in] and the columnwise [in, out] differ)."""
+    is what a weight all-gather produces (the rowwise copy [out, in] and the columnwise [in, out] differ; 1x128
+    and MXFP8 scales travel in the quantize launch's [blocks, rows], WeightSharding._storage)."""
+    from jaxhq.ffi.dispatch import rows_inner_scales
+
+    def gathered(s, a):
+        return a.shape[::-1] if a is s.scale_inv and rows_inner_scales(s) else a.shape
+
     qt = jax.eval_shape(lambda k: quantize(k.T, quantizer), k)
-    return {axis: collections.Counter(a.shape for a in (s.data, s.scale_inv) if a is not None and a.ndim == 2)
+    return {axis: collections.Counter(gathered(s, a) for a in (s.data, s.scale_inv) if a is not None and a.ndim == 2)
             for axis, s in (("rowwise", qt.rowwise), ("columnwise", qt.columnwise))}
 
 

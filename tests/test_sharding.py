@@ -368,6 +368,18 @@ def test_gemms_gather_no_activation(monkeypatch, recipe_name, mesh_name, sp):
     assert not bad, f"activations gathered: {bad}"
 
 
+def test_fsdp_step_transposes_no_mxfp8_scales():
+    """The launches write MXFP8 scales [blocks, rows] and the GEMMs read them so (ffi.primitives.swap_rows_inner);
+    the sharded weights' scales are constrained and all-gathered in that layout too (WeightSharding._storage), so
+    the FSDP step's program transposes no E8M0 scale array between a quantize launch and a GEMM (gathering them in
+    the Storage's layout put a transpose on each side of every gather)."""
+    import re
+    hlo = _step_hlo("mxfp8", "dp2_fsdp4")
+    assert "jaxhq_gemm_dq" in hlo
+    bad = [ln.strip() for ln in hlo.splitlines() if re.search(r"= (u8|f8e8m0fnu)\[[\d,]+\]\{[\d,]+\} transpose\(", ln)]
+    assert not bad, bad[:4]
+
+
 def test_unpartitioned_gemms_would_gather_activations(monkeypatch):
     """Control for the test above: the same FFI GEMMs called without their partitioning rule make XLA gather
     their operands (activations included) onto every device."""

@@ -220,6 +220,12 @@ def act_grad_on_gpu(ids: dict) -> bool:
     return len(fmts) == 1 and fmts <= {P.FP8_TENSOR, P.MXFP8, P.FP8_BLOCK_1x128, P.FP8_BLOCK_128x128}
 
 
+def rows_inner_scales(s: Storage) -> bool:
+    """Whether the quantize launch writes this copy's scales rows-inner (1x128, MXFP8: P.ROWS_INNER_SCALES), the
+    layout the GEMMs read; P.swap_rows_inner turns the Storage's into it."""
+    return s.scale_inv is not None and (format_id(s.quantizer, s.axis) or (None,))[0] in P.ROWS_INNER_SCALES
+
+
 def dequantize_storage(s: Storage, platform: Optional[str] = None):
     """float32 values of one copy through the dequantize kernel (RHT undone by the reference transform),
     or None when there is no kernel for it here."""

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..formats import COLUMNWISE, MXFP8, NVFP4, ROWWISE, Float8Block, QTensor, QuantizationError, Storage, side
+from ..ffi.dispatch import rows_inner_scales
+from ..ffi.primitives import swap_rows_inner
 from ..formats.quantize import normalize
 from .rules import LogicalAxes, current_mesh, current_rules, mesh_axes
 
@@ -157,24 +159,35 @@ class WeightSharding:
         return jax.lax.with_sharding_constraint(a, NamedSharding(self.mesh, spec))
 
     def _storage(self, s: Optional[Storage], fn) -> Optional[Storage]:
+        """s with fn(array, spec of the sharded layout, spec of the gathered one) applied to its data and scales.
+        1x128 and MXFP8 scales go to fn in the quantize launch's [blocks, rows] (ffi.primitives.swap_rows_inner,
+        the specs swapped likewise), so XLA cancels the swaps around them: the launch's buffer is what is
+        constrained and gathered, and the GEMM reads the gathered one, with no transpose either side."""
         if s is None:
             return None
-        return dataclasses.replace(s, data=fn(s.data, s.axis), scale_inv=fn(s.scale_inv, s.axis))
+        specs = lambda axis: (self.storage_spec(axis), self.storage_spec(axis, gathered=True))  # noqa: E731
+        sc = s.scale_inv
+        if rows_inner_scales(s) and sc.ndim == 2:
+            flip = lambda spec: PartitionSpec(*reversed(tuple(spec)))  # noqa: E731
+            sc = swap_rows_inner(fn(swap_rows_inner(sc), *map(flip, specs(s.axis))))
+        else:
+            sc = fn(sc, *specs(s.axis))
+        return dataclasses.replace(s, data=fn(s.data, *specs(s.axis)), scale_inv=sc)
 
     def shard(self, qt: QTensor) -> QTensor:
         """Pin both copies to the kernel's own (sharded) layout, so each device quantizes only its shard."""
-        fn = lambda a, axis: self._constrain(a, self.storage_spec(axis))
+        fn = lambda a, spec, _: self._constrain(a, spec)  # noqa: E731
         return dataclasses.replace(qt, rowwise=self._storage(qt.rowwise, fn), columnwise=self._storage(
             qt.columnwise, fn))
 
     def gathered(self, s: Storage) -> Storage:
         """The copy in the gathered layout; the all-gather moves its data and block scales as uint8 bytes."""
-        def fn(a, axis):
+        def fn(a, spec, gathered_spec):
             if a is None or a.ndim == 0:
                 return a
             b, back = raw_bits(a)
-            b = self._constrain(b, self.storage_spec(axis))
-            return back(self._constrain(b, self.storage_spec(axis, gathered=True)))
+            b = self._constrain(b, spec)
+            return back(self._constrain(b, gathered_spec))
         return self._storage(s, fn)
 
     def constrain_grad(self, dw):
