@@ -90,12 +90,11 @@ def time_back_to_back(fn, *args, iters: int = 10, reps: int = 5):
 
 
 def as_launched(t):
-    """t, or a 1x128 or MXFP8 Storage with its scales swapped to the quantize launch's [blocks, rows]
-    (ffi.primitives.swap_rows_inner): how a training step hands them to the GEMMs, which swap them back, so under
-    jit XLA cancels the pair (timed as Storages, the launch would carry XLA's transposes)."""
-    from jaxhq.ffi.dispatch import rows_inner_scales
-    from jaxhq.ffi.primitives import swap_rows_inner
+    """t, or a Storage with its scales as the quantize launch wrote them (ffi.dispatch.launch_scales: 1x128 and
+    MXFP8 ones [blocks, rows]): how a training step hands them to the GEMMs, so under jit XLA cancels the swaps
+    (timed as Storages, the launch would carry XLA's transposes)."""
+    from jaxhq.ffi.dispatch import launch_scales, rows_inner_scales
     from jaxhq.formats import Storage
     if isinstance(t, Storage) and rows_inner_scales(t):
-        return dataclasses.replace(t, scale_inv=swap_rows_inner(t.scale_inv))
+        return dataclasses.replace(t, scale_inv=launch_scales(t))
     return t

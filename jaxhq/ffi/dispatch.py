@@ -221,9 +221,15 @@ def act_grad_on_gpu(ids: dict) -> bool:
 
 
 def rows_inner_scales(s: Storage) -> bool:
-    """Whether the quantize launch writes this copy's scales rows-inner (1x128, MXFP8: P.ROWS_INNER_SCALES), the
-    layout the GEMMs read; P.swap_rows_inner turns the Storage's into it."""
+    """Whether the quantize launch writes this copy's scales rows-inner (1x128, MXFP8: P.ROWS_INNER_SCALES)."""
     return s.scale_inv is not None and (format_id(s.quantizer, s.axis) or (None,))[0] in P.ROWS_INNER_SCALES
+
+
+def launch_scales(s: Storage):
+    """s.scale_inv in the layout the quantize launch wrote it: [..., blocks, rows] for rows_inner_scales copies
+    (P.swap_rows_inner, undoing the wrapper's swap: under jit XLA cancels the pair, so a GEMM or a collective that
+    takes this reads the launch's buffer with no transpose), as stored otherwise."""
+    return P.swap_rows_inner(s.scale_inv) if rows_inner_scales(s) else s.scale_inv
 
 
 def dequantize_storage(s: Storage, platform: Optional[str] = None):

@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 
 from ..formats import Storage
-from . import primitives
+from .dispatch import launch_scales
 
 FP8_TARGET, DQ_TARGET, MX_TARGET, NV_TARGET = "jaxhq_gemm_fp8", "jaxhq_gemm_dq", "jaxhq_gemm_mxfp8", "jaxhq_gemm_nvfp4"
 KERNELS = ("auto", "wgmma", "dequantize")  # the MXFP8 / NVFP4 kernel choices of blockscaled_gemm / grouped_gemm
@@ -154,12 +154,10 @@ def _fp8_mode(s: Storage, name: str) -> int:
     raise GemmUnsupported(f"{name}: {s.format} is not an FP8 per-tensor or blockwise storage")
 
 
-def _fp8_scales(s: Storage, mode: int):
-    """An operand's scales as jaxhq_gemm_fp8 takes them: 1x128 ones [ceil(K/128), rows], the layout the quantize
-    launch writes and cuBLASLt reads (XLA cancels this swap against the one ffi.primitives.quantize made, so the
-    launch's buffer reaches the GEMM with no re-layout kernel); others as stored."""
-    sc = jnp.asarray(s.scale_inv, jnp.float32)
-    return primitives.swap_rows_inner(sc) if mode == MODE_VEC128 else sc
+def _fp8_scales(s: Storage):
+    """An operand's scales as jaxhq_gemm_fp8 takes them: as the quantize launch wrote them (dispatch.launch_scales:
+    1x128 ones [ceil(K/128), rows], the layout cuBLASLt reads), float32."""
+    return jnp.asarray(launch_scales(s), jnp.float32)
 
 
 def fp8_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=None, accumulate=None,
@@ -188,7 +186,7 @@ def fp8_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=None, accum
     ws = _workspace(workspace_bytes_fp8(m, n, k, ma, mb, out_dtype, bias is not None or accumulate is not None))
     call = jax.ffi.ffi_call(FP8_TARGET, (jax.ShapeDtypeStruct((m, n), out_dtype), ws),
                             input_output_aliases=aliases, vmap_method="sequential")  # vmap: a call per element
-    return call(a.data, _fp8_scales(a, ma), b.data, _fp8_scales(b, mb), bias_, c, mode_a=np.int32(ma),
+    return call(a.data, _fp8_scales(a), b.data, _fp8_scales(b), bias_, c, mode_a=np.int32(ma),
                 mode_b=np.int32(mb), layout=np.int32(_layout()[0]), pad=np.int32(_layout()[1]),
                 accumulate=np.int32(accumulate is not None), fast_accum=np.int32(fast_accum))[0]
 
@@ -206,11 +204,10 @@ def _u8(x):
     return x if x.dtype == jnp.uint8 else lax.bitcast_convert_type(x, jnp.uint8)
 
 
-def _dq_scales(s: Storage, fmt: int):
-    """An operand's scales as jaxhq_gemm_dq(_grouped) takes them: MXFP8 ones [..., ceil(K/32), rows] (rows_inner), the
-    layout the quantize launch writes (XLA cancels this swap against the one ffi.primitives.quantize made, so the
-    launch's buffer reaches the GEMM with no transpose kernel); NVFP4 ones as stored."""
-    return _u8(s.scale_inv if fmt == FMT_NVFP4 else primitives.swap_rows_inner(s.scale_inv))
+def _dq_scales(s: Storage):
+    """An operand's scales as jaxhq_gemm_dq(_grouped) takes them: as the quantize launch wrote them
+    (dispatch.launch_scales: MXFP8 ones [..., ceil(K/32), rows], the handlers' rows_inner), as bytes."""
+    return _u8(launch_scales(s))
 
 
 @functools.lru_cache(maxsize=None)
@@ -381,7 +378,7 @@ def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=Non
                             vmap_method="sequential")
     data = lambda s: s.data if s.decoded else _u8(s.data)  # noqa: E731  (decoded: bf16, read as such)
     # b_kn: B's data is [K, N] (a transposed decoded copy: its scales are not read)
-    return call(data(a), _dq_scales(a, fa), amax_a, data(b), _dq_scales(b, fb), amax_b, bias_, c,
+    return call(data(a), _dq_scales(a), amax_a, data(b), _dq_scales(b), amax_b, bias_, c,
                 fmt_a=np.int32(fa), fmt_b=np.int32(fb), k=np.int64(k), accumulate=np.int32(accumulate is not None),
                 b_kn=np.int32(b.transposed), rows_inner=np.int32(fa != FMT_NVFP4))[0]
 
@@ -434,7 +431,7 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
             call = jax.ffi.ffi_call(FP8_CUTLASS_GROUPED, (jax.ShapeDtypeStruct((t, n), out_dtype),
                                                           jax.ShapeDtypeStruct((ws,), jnp.uint8)),
                                     input_output_aliases={5: 0} if aliases else {}, vmap_method="sequential")
-            return call(operands[0], _fp8_scales(a, ma), *operands[2:5], c, mode_a=np.int32(ma),
+            return call(operands[0], _fp8_scales(a), *operands[2:5], c, mode_a=np.int32(ma),
                         mode_b=np.int32(mb), accumulate=np.int32(accumulate is not None),
                         fast_accum=np.int32(fast_accum))[0]
         if _fp8_grouped_wgmma(n, k, g, kernel, name):
@@ -474,7 +471,7 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
     call = jax.ffi.ffi_call(DQ_TARGET + "_grouped", jax.ShapeDtypeStruct((t, n), out_dtype),
                             input_output_aliases=aliases,
                             vmap_method="sequential")
-    return call(_u8(a.data), _dq_scales(a, fa), amax_a, _u8(stacked.data), _dq_scales(stacked, fb), amax_b, sizes,
+    return call(_u8(a.data), _dq_scales(a), amax_a, _u8(stacked.data), _dq_scales(stacked), amax_b, sizes,
                 bias_, c, fmt_a=np.int32(fa), fmt_b=np.int32(fb), k=np.int64(k),
                 accumulate=np.int32(accumulate is not None), rows_inner=np.int32(fa != FMT_NVFP4))
 
@@ -531,7 +528,7 @@ def segment_gemm(a: Storage, b: Storage, segment_sizes, out_dtype=jnp.bfloat16):
     ws = int(load().cutlass_kgrouped_workspace_bytes(g, m, n, k, bf16))
     call = jax.ffi.ffi_call(CUTLASS_KGROUPED, (jax.ShapeDtypeStruct((g, m, n), jnp.bfloat16), _workspace(ws)),
                             vmap_method="sequential")
-    scales = (_empty(jnp.float32),) * 2 if bf16 else (_fp8_scales(a, MODE_VEC128), _fp8_scales(b, MODE_VEC128))
+    scales = (_empty(jnp.float32),) * 2 if bf16 else (_fp8_scales(a), _fp8_scales(b))
     return call(a.data, scales[0], b.data, scales[1], sizes)[0]
 
 

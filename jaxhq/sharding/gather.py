@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..formats import COLUMNWISE, MXFP8, NVFP4, ROWWISE, Float8Block, QTensor, QuantizationError, Storage, side
-from ..ffi.dispatch import rows_inner_scales
+from ..ffi.dispatch import launch_scales, rows_inner_scales
 from ..ffi.primitives import swap_rows_inner
 from ..formats.quantize import normalize
 from .rules import LogicalAxes, current_mesh, current_rules, mesh_axes
@@ -165,14 +165,13 @@ class WeightSharding:
         constrained and gathered, and the GEMM reads the gathered one, with no transpose either side."""
         if s is None:
             return None
-        specs = lambda axis: (self.storage_spec(axis), self.storage_spec(axis, gathered=True))  # noqa: E731
-        sc = s.scale_inv
-        if rows_inner_scales(s) and sc.ndim == 2:
+        specs = (self.storage_spec(s.axis), self.storage_spec(s.axis, gathered=True))
+        if rows_inner_scales(s) and s.scale_inv.ndim == 2:
             flip = lambda spec: PartitionSpec(*reversed(tuple(spec)))  # noqa: E731
-            sc = swap_rows_inner(fn(swap_rows_inner(sc), *map(flip, specs(s.axis))))
+            sc = swap_rows_inner(fn(launch_scales(s), *map(flip, specs)))
         else:
-            sc = fn(sc, *specs(s.axis))
-        return dataclasses.replace(s, data=fn(s.data, *specs(s.axis)), scale_inv=sc)
+            sc = fn(s.scale_inv, *specs)
+        return dataclasses.replace(s, data=fn(s.data, *specs), scale_inv=sc)
 
     def shard(self, qt: QTensor) -> QTensor:
         """Pin both copies to the kernel's own (sharded) layout, so each device quantizes only its shard."""
