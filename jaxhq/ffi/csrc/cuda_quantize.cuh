@@ -218,18 +218,23 @@ __device__ __forceinline__ uint8_t mx_scale_byte(float amax, bool e5) {
   return e8m0_round_up(round_to_dtype_sw(mx_q(amax, e5), dtype_id<T>()));
 }
 
-// An FP8 copy's N values of copy row gr from column gc, times the multiplier of their block (or tensor), encoded
-// and stored (the scales are the caller's). A decoded MXFP8 copy stores the codes' values times `dec`, the block's
-// scale (kMayDecode: that path is compiled in; kernels without it keep their code as small as before).
-template <int N, bool kMayDecode>
-__device__ __forceinline__ void encode_fp8_chunk(const SideParams& sp, int64_t b, int64_t gr, int64_t gc, float mult,
+// An FP8 copy's N values at element `off` (= gr * C + gc: copy row gr from column gc) of batch element b's data,
+// times the multiplier of their block (or tensor), encoded and stored (the scales are the caller's). A decoded
+// MXFP8 copy stores the codes' values times `dec`, the block's scale (kMayDecode: that path is compiled in; kernels
+// without it keep their code as small as before). kE5: the codes' format when the caller fixes it (0 E4M3, 1
+// E5M2; -1: the side's option, both conversions issued under predicates). kInside: the caller knows that the N
+// values lie in the row and that the row's vector stores are aligned (C % N == 0), so the stores take no checks.
+template <int N, bool kMayDecode, int kE5 = -1, bool kInside = false>
+__device__ __forceinline__ void encode_fp8_chunk(const SideParams& sp, int64_t b, int64_t off, int64_t gc, float mult,
                                                  const float (&v)[N], float dec = 0.0f) {
-  const int64_t C = sp.C;
-  const bool e5 = sp.opts & kE5M2;
+  const bool e5 = kE5 < 0 ? bool(sp.opts & kE5M2) : kE5 == 1;
+  const int64_t valid = kInside ? N : sp.C - gc;
+  const bool aligned = kInside || sp.C % N == 0;
+  uint8_t* data = sp.data + b * sp.dbytes;
   uint16_t codes[N / 2];
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) codes[i] = fp8x2(v[2 * i] * mult, v[2 * i + 1] * mult, e5);
-  if (kMayDecode && (sp.opts & kDecoded)) {
+  if (kMayDecode && (sp.opts & kDecoded)) {  // bfloat16 values: 2N bytes
     uint32_t pairs[N / 2];
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) {
@@ -237,13 +242,13 @@ __device__ __forceinline__ void encode_fp8_chunk(const SideParams& sp, int64_t b
       fp8x2_values(codes[i], e5, lo, hi);
       pairs[i] = bf16x2_bits(lo * dec, hi * dec);
     }
-    store_decoded<N>(sp, b, gr, gc, pairs);
+    store_words<2 * N>(data + 2 * off, pairs, 2 * valid, aligned);
     return;
   }
   uint32_t words[N / 4];
 #pragma unroll
   for (int i = 0; i < N / 4; ++i) words[i] = uint32_t(codes[2 * i]) | (uint32_t(codes[2 * i + 1]) << 16);
-  store_words<N>(sp.data + b * sp.dbytes + gr * C + gc, words, C - gc, C % N == 0);
+  store_words<N>(data + off, words, valid, aligned);
 }
 
 // The scalar that copy s of batch element b uses: the FP8 per-tensor scale (with kFromAmax, computed here from
@@ -310,7 +315,7 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
     const uint8_t e = mx_scale_byte<T>(amax, sp.opts & kE5M2);
     mult = e8m0_reciprocal(e);
     if (gc % 32 == 0) scale[rows_inner_scale_index(gr, gc / 32, sp.R)] = e;
-    encode_fp8_chunk<N, kMayDecode>(sp, b, gr, gc, mult, v, e8m0_to_f32(e));
+    encode_fp8_chunk<N, kMayDecode>(sp, b, gr * C + gc, gc, mult, v, e8m0_to_f32(e));
     return;
   } else {  // FP8 blockwise: 1x128 (a scale per row and 128 columns) or 128x128
     mult = block_scale(amax, sp.opts & kPow2);
@@ -320,7 +325,7 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
                                                         : (gr / 128) * nb + gc / 128] =
           canonical_nan(div_ref(1.0f, mult));
   }
-  encode_fp8_chunk<N, false>(sp, b, gr, gc, mult, v);
+  encode_fp8_chunk<N, false>(sp, b, gr * C + gc, gc, mult, v);
 }
 
 // The register-tile kernel (cuda_quantize_regs.cu): 16-bit inputs, FP8 formats (register_tile_takes); it also

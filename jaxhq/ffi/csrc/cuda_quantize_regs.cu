@@ -5,7 +5,8 @@
 // columnwise copy the same registers read the other way. No element of x
 // passes through shared memory. Block amaxes start as per-thread partials: the integer max of the 16-bit |x|
 // patterns, which orders as the values do, with NaN patterns above inf. They meet in 17 KB of shared memory, where
-// a thread per copy row turns them into the row's MXFP8 / 1x128 scales (row_scales) before the chunks are encoded.
+// a thread per copy row turns them into the row's MXFP8 / 1x128 scales (row_scales), kept as float multipliers in
+// 8 KB more, before the chunks are encoded (encode_rows: interior tiles without per-chunk checks).
 // Numerics: cuda_quantize.cuh (mx_scale_byte, block_scale, encode_fp8_chunk, encode_chunk), shared with the tile
 // kernel. With an activation (Params::act) the block is the activation's gradient, made from h and dy as it is
 // loaded (load_block_act_grad; jaxhq_act_grad's kernel, act_grad_kernel, writes the same values).
@@ -27,17 +28,23 @@ namespace {
 
 constexpr int kTile = 128, kThreads = 256, kPart = 17;  // partial-amax row stride (odd: fewer bank conflicts)
 
+// A copy row's block multipliers (row_scales) sit at [side][block of the tile][copy row] with a row stride of
+// kTile + 1 words: the rowwise chunks of a warp read two blocks of four rows each, in eight banks.
+constexpr int kRowStride = kTile + 1;
+
 struct RegSmem {
   uint32_t part[2][kTile * kPart];  // [side][copy row * kPart + 8-element group]: max |x| pattern
-  uint32_t row[2][kTile];           // [side][copy row]: the row's scales (row_scales)
+  float mult[2][4 * kRowStride];    // [side][block * kRowStride + copy row]: the encode multiplier (1x128: block 0)
+  float dec[2][4 * kRowStride];     // MXFP8: the block's scale, which a decoded copy's values take
   uint32_t tile;                    // max |x| pattern over the tile (128x128 blocks)
   unsigned xamax[kThreads / 32];    // per-warp max |x| (the amax output)
 };
 
 // One thread per copy row of side s (format F): the row's block scales in this tile, computed once instead of by
 // every chunk of the block, stored to the scale array rows-inner (spec.h rows_inner_scale_index; MXFP8: the E8M0
-// bytes of the tile's four blocks; 1x128: scale_inv) and kept in sm.row for the chunks (MXFP8: the four bytes;
-// 1x128: the multiplier's bits). Returns the row's max |x| pattern over the tile's 128 columns.
+// bytes of the tile's four blocks; 1x128: scale_inv) and kept in sm.mult (and, MXFP8, sm.dec) as the floats the
+// chunks use, so that a chunk reads its multiplier instead of decoding its block's byte again. Returns the row's
+// max |x| pattern over the tile's 128 columns.
 template <typename T, int F>
 __device__ __forceinline__ uint32_t row_scales(const Params& p, RegSmem& sm, int s, int64_t b, int cr, int64_t gr,
                                                int64_t gc0) {
@@ -54,18 +61,17 @@ __device__ __forceinline__ uint32_t row_scales(const Params& p, RegSmem& sm, int
       uint8_t* scale = sp.scale + b * sp.sbytes;
       if constexpr (F == kMxfp8) {
         const int64_t nb = (sp.C + 31) / 32, blk0 = gc0 / 32;
-        uint32_t word = 0u;
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-          word |= uint32_t(mx_scale_byte<T>(bits_to_f32<T>(blk[i]), sp.opts & kE5M2)) << (8 * i);
-        sm.row[s][cr] = word;
-        // a byte per block column, the warp's 32 rows side by side (spec.h rows_inner_scale_index)
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          if (blk0 + i < nb) scale[rows_inner_scale_index(gr, blk0 + i, sp.R)] = uint8_t(word >> (8 * i));
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t e = mx_scale_byte<T>(bits_to_f32<T>(blk[i]), sp.opts & kE5M2);
+          sm.mult[s][i * kRowStride + cr] = e8m0_reciprocal(e);
+          sm.dec[s][i * kRowStride + cr] = e8m0_to_f32(e);
+          // a byte per block column, the warp's 32 rows side by side (spec.h rows_inner_scale_index)
+          if (blk0 + i < nb) scale[rows_inner_scale_index(gr, blk0 + i, sp.R)] = e;
+        }
       } else {
         const float mult = block_scale(bits_to_f32<T>(a), sp.opts & kPow2);
-        sm.row[s][cr] = f2u(mult);
+        sm.mult[s][cr] = mult;
         reinterpret_cast<float*>(scale)[rows_inner_scale_index(gr, gc0 / 128, sp.R)] =
             canonical_nan(div_ref(1.0f, mult));
       }
@@ -312,8 +318,38 @@ __device__ __forceinline__ uint32_t element(const uint32_t (&w)[8][4], int s, in
   return s == 0 ? half_of(w[t][e / 2], e % 2) : half_of(w[e][t / 2], t % 2);
 }
 
-// Side s's copy (format F, fixed at compile time) of this thread's 8 copy rows: block amaxes from the partials,
-// then encode_chunk.
+// This thread's 8 chunks of side s's copy (format F): copy rows tr0 + cr0 + t, 8 elements from column gc. FP8
+// formats take their multiplier as row_scales (MXFP8, 1x128), the tile (128x128, from `tmult`) or the copy (per
+// tensor) gives it, without recomputing it per chunk. kInside: the whole tile lies inside the copy and its rows'
+// 8-byte stores are aligned (no per-chunk checks); kE5: the codes' format when fixed (encode_fp8_chunk).
+template <typename T, int F, bool kInside, int kE5>
+__device__ __forceinline__ void encode_rows(const Params& p, const RegSmem& sm, int s, int64_t b, int cr0, int grp,
+                                            int64_t tr0, int64_t gc, const uint32_t (&w)[8][4], float ts,
+                                            float tmult) {
+  const SideParams& sp = p.side[s];
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+    const int cr = cr0 + t;
+    const int64_t gr = tr0 + cr;
+    if (!kInside && (gr >= sp.R || gc >= sp.C)) continue;
+    float v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = bits_to_f32<T>(element(w, s, t, e));
+    const int64_t off = gr * sp.C + gc;
+    if constexpr (F == kMxfp8) {  // the scales are row_scales'
+      const int i = (grp >> 2) * kRowStride + cr;
+      encode_fp8_chunk<8, true, kE5, kInside>(sp, b, off, gc, sm.mult[s][i], v, sm.dec[s][i]);
+    } else if constexpr (F == kFp8Block1) {
+      encode_fp8_chunk<8, false, kE5, kInside>(sp, b, off, gc, sm.mult[s][cr], v);
+    } else {
+      encode_fp8_chunk<8, false, kE5, kInside>(sp, b, off, gc, F == kFp8Block2 ? tmult : ts, v);
+    }
+  }
+}
+
+// Side s's copy (format F, fixed at compile time) of this thread's 8 copy rows. A tile inside the copy whose rows
+// take aligned 8-byte stores (every tile of a copy with whole tiles and C % 8 == 0) runs encode_rows with no
+// per-chunk checks and the codes' format fixed; the others check each chunk.
 template <typename T, int F>
 __device__ __forceinline__ void encode_side(const Params& p, const RegSmem& sm, int s, int64_t b, int rg, int cg,
                                             int64_t r0, int64_t c0, const uint32_t (&w)[8][4], float ts) {
@@ -321,23 +357,19 @@ __device__ __forceinline__ void encode_side(const Params& p, const RegSmem& sm, 
     const SideParams& sp = p.side[s];
     const int cr0 = s == 0 ? 8 * rg : 8 * cg;  // this thread's first copy row in the tile
     const int grp = s == 0 ? cg : rg;          // its 8-element group along the copy row
-    const int64_t tr0 = s == 0 ? r0 : c0, gc = (s == 0 ? c0 : r0) + 8 * grp;  // in the copy
-#pragma unroll
-    for (int t = 0; t < 8; ++t) {
-      const int cr = cr0 + t;
-      const int64_t gr = tr0 + cr;
-      if (gr >= sp.R || gc >= sp.C) continue;
-      float v[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] = bits_to_f32<T>(element(w, s, t, e));
-      if constexpr (F == kMxfp8) {  // the scales are row_scales'
-        const uint8_t e = uint8_t(sm.row[s][cr] >> (8 * (grp >> 2)));
-        encode_fp8_chunk<8, true>(sp, b, gr, gc, e8m0_reciprocal(e), v, e8m0_to_f32(e));
-      } else if constexpr (F == kFp8Block1) {
-        encode_fp8_chunk<8, false>(sp, b, gr, gc, u2f(sm.row[s][cr]), v);
-      } else {
-        encode_chunk<8, T, F>(p, s, b, gr, gc, F == kFp8Block2 ? bits_to_f32<T>(sm.tile) : 0.0f, ts, v);
-      }
+    const int64_t tr0 = s == 0 ? r0 : c0, tc0 = s == 0 ? c0 : r0, gc = tc0 + 8 * grp;  // in the copy
+    float tmult = 0.0f;
+    if constexpr (F == kFp8Block2) {  // the tile is one 128x128 block: its scale, written by the first thread
+      tmult = block_scale(bits_to_f32<T>(sm.tile), sp.opts & kPow2);
+      if (threadIdx.x == 0)
+        reinterpret_cast<float*>(sp.scale + b * sp.sbytes)[(tr0 / kTile) * ((sp.C + kTile - 1) / kTile) +
+                                                            tc0 / kTile] = canonical_nan(div_ref(1.0f, tmult));
+    }
+    if (tr0 + kTile <= sp.R && tc0 + kTile <= sp.C && sp.C % 8 == 0) {
+      if (sp.opts & kE5M2) encode_rows<T, F, true, 1>(p, sm, s, b, cr0, grp, tr0, gc, w, ts, tmult);
+      else encode_rows<T, F, true, 0>(p, sm, s, b, cr0, grp, tr0, gc, w, ts, tmult);
+    } else {
+      encode_rows<T, F, false, -1>(p, sm, s, b, cr0, grp, tr0, gc, w, ts, tmult);
     }
   }
 }
