@@ -230,9 +230,9 @@ JHQ_HD uint32_t e2m1_nearest(float a) {
   return f2u(r) - (pow + (22u << 23)) + (pow >> 22) - 254u;
 }
 // e2m1_code for a y that is not NaN, by e2m1_nearest. Equal to e2m1_code for every float but NaN (checked over all
-// of them: tests/test_cuda_emu.py).
-JHQ_HD uint8_t e2m1_code_finite(float y) {
-  return uint8_t(e2m1_nearest(fminf(fabsf(y), 6.0f)) | ((f2u(y) >> 28) & 8u));
+// of them: tests/test_cuda_emu.py). 32 bits: e2m1_nearest is 0..7 exactly, so no byte truncation is spent on it.
+JHQ_HD uint32_t e2m1_code_finite(float y) {
+  return e2m1_nearest(fminf(fabsf(y), 6.0f)) | ((f2u(y) >> 28) & 8u);
 }
 // Magnitude of E2M1 code c in 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6 (no table: registers only on the GPU).
 JHQ_HD float e2m1_grid(int c) { return c < 4 ? 0.5f * float(c) : (c < 6 ? float(c - 2) : 2.0f * float(c - 4)); }
@@ -243,13 +243,13 @@ JHQ_HD float e2m1_grid(int c) { return c < 4 ? 0.5f * float(c) : (c < 6 ? float(
 // by at most 2^-23). The code is t's bits after the carry, shifted down, minus the offset of its binade. NaN gives
 // 0 | sign; `finite`: the caller knows y is not NaN.
 template <bool kFinite = false>
-JHQ_HD uint8_t e2m1_code_sr(float y, uint32_t k) {
+JHQ_HD uint32_t e2m1_code_sr(float y, uint32_t k) {  // 0..15 (32 bits, as e2m1_code_finite)
   const float a = kFinite ? fminf(fabsf(y), 6.0f) : nmin(fabsf(y), 6.0f);
   const bool sub = a < 1.0f;
   const float t = sub ? a + 1.0f : a;
   uint32_t code = ((f2u(t) + (k << 6) + 31u) >> 22) - (sub ? 254u : 252u);
   if (!kFinite && is_nan(a)) code = 0u;
-  return uint8_t(code | ((f2u(y) >> 28) & 8u));
+  return code | ((f2u(y) >> 28) & 8u);
 }
 JHQ_HD float e2m1_value(uint8_t c) {
   float x = e2m1_grid(c & 7);
