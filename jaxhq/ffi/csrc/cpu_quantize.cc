@@ -125,7 +125,7 @@ void fp8_block(const View& v, const CopySpec& s) {
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t c = c0; c < c1; ++c) a = amax_acc(a, v(r, c));
       float scale = block_scale(a, pow2);
-      sc[two_d ? (r0 / br) * nb + b : rows_inner_scale_index(r0, b, R)] = canonical_nan(div_ref(1.0f, scale));
+      sc[two_d ? (r0 / br) * nb + b : rows_inner_scale_index(r0, b, R)] = scale_inv_of(scale);
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t c = c0; c < c1; ++c) d[r * C + c] = fp8_encode_sw(v(r, c) * scale, false);
     }
@@ -153,7 +153,7 @@ CopySpec offset(const CopySpec& s, int64_t b, int64_t r, int64_t c) {
 // a per-tensor copy also records scale_inv = 1 / scale.
 float copy_scalar(const QuantizeArgs& a, const CopySpec& s, int64_t b, int side) {
   const float v = copy_scalar_of(side_scalar(a.scales, b, side), s.fmt, s.opts, a.amax_eps);
-  if (s.fmt == kFp8Tensor) *static_cast<float*>(s.scale) = canonical_nan(div_ref(1.0f, v));
+  if (s.fmt == kFp8Tensor) *static_cast<float*>(s.scale) = scale_inv_of(v);
   return v;
 }
 

@@ -263,7 +263,7 @@ __device__ __forceinline__ void write_scale_inv(const Params& p, int64_t b, cons
 #pragma unroll
   for (int s = 0; s < 2; ++s)
     if (p.side[s].fmt == kFp8Tensor)
-      *reinterpret_cast<float*>(p.side[s].scale + b * p.side[s].sbytes) = canonical_nan(div_ref(1.0f, ts[s]));
+      *reinterpret_cast<float*>(p.side[s].scale + b * p.side[s].sbytes) = scale_inv_of(ts[s]);
 }
 
 // Side s's copy: N values (16 or 8) of copy row gr from column gc, their block's amax given (block formats) and
@@ -323,8 +323,7 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, 
     const int64_t nb = (C + 127) / 128;
     if (gc % 128 == 0 && (fmt == kFp8Block1 || gr % 128 == 0))
       reinterpret_cast<float*>(scale)[fmt == kFp8Block1 ? rows_inner_scale_index(gr, gc / 128, sp.R)
-                                                        : (gr / 128) * nb + gc / 128] =
-          canonical_nan(div_ref(1.0f, mult));
+                                                        : (gr / 128) * nb + gc / 128] = scale_inv_of(mult);
   }
   encode_fp8_chunk<N, false>(sp, b, gr * C + gc, gc, mult, v);
 }

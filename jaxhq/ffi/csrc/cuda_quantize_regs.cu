@@ -72,8 +72,7 @@ __device__ __forceinline__ uint32_t row_scales(const Params& p, RegSmem& sm, int
       } else {
         const float mult = block_scale(bits_to_f32<T>(a), sp.opts & kPow2);
         sm.mult[s][cr] = mult;
-        reinterpret_cast<float*>(scale)[rows_inner_scale_index(gr, gc0 / 128, sp.R)] =
-            canonical_nan(div_ref(1.0f, mult));
+        reinterpret_cast<float*>(scale)[rows_inner_scale_index(gr, gc0 / 128, sp.R)] = scale_inv_of(mult);
       }
     }
   }
@@ -363,7 +362,7 @@ __device__ __forceinline__ void encode_side(const Params& p, const RegSmem& sm, 
       tmult = block_scale(bits_to_f32<T>(sm.tile), sp.opts & kPow2);
       if (threadIdx.x == 0)
         reinterpret_cast<float*>(sp.scale + b * sp.sbytes)[(tr0 / kTile) * ((sp.C + kTile - 1) / kTile) +
-                                                            tc0 / kTile] = canonical_nan(div_ref(1.0f, tmult));
+                                                            tc0 / kTile] = scale_inv_of(tmult);
     }
     if (tr0 + kTile <= sp.R && tc0 + kTile <= sp.C && sp.C % 8 == 0) {
       if (sp.opts & kE5M2) encode_rows<T, F, true, 1>(p, sm, s, b, cr0, grp, tr0, gc, w, ts, tmult);

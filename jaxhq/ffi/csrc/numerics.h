@@ -75,6 +75,9 @@ JHQ_HD float div_ref(float a, float b) {
   return a / b;
 #endif
 }
+// The scale_inv a copy stores for its multiplier `scale` (FP8 per-tensor and blockwise): 1 / scale as the reference
+// divides, a NaN written as the canonical one.
+JHQ_HD float scale_inv_of(float scale) { return canonical_nan(div_ref(1.0f, scale)); }
 
 JHQ_HD float bf16_bits_to_f32(uint16_t b) { return u2f(uint32_t(b) << 16); }
 // float32 to bfloat16 bits, round to nearest even (NaN stays a quiet NaN), as XLA's convert does.
