@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..formats import COLUMNWISE, MXFP8, NVFP4, ROWWISE, Float8Block, QTensor, QuantizationError, Storage, side
-from ..ffi.dispatch import launch_scales, rows_inner_scales
+from ..ffi.dispatch import rows_inner_scales
 from ..ffi.primitives import swap_rows_inner
 from ..formats.quantize import normalize
 from .rules import LogicalAxes, current_mesh, current_rules, mesh_axes
@@ -168,7 +168,7 @@ class WeightSharding:
         specs = (self.storage_spec(s.axis), self.storage_spec(s.axis, gathered=True))
         if rows_inner_scales(s) and s.scale_inv.ndim == 2:
             flip = lambda spec: PartitionSpec(*reversed(tuple(spec)))  # noqa: E731
-            sc = swap_rows_inner(fn(launch_scales(s), *map(flip, specs)))
+            sc = swap_rows_inner(fn(swap_rows_inner(s.scale_inv), *map(flip, specs)))
         else:
             sc = fn(s.scale_inv, *specs)
         return dataclasses.replace(s, data=fn(s.data, *specs), scale_inv=sc)
