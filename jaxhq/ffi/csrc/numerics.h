@@ -50,6 +50,16 @@ JHQ_HD int64_t in_bytes(int32_t dtype) { return dtype == kF32 || dtype == kF32As
 
 JHQ_HD uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 JHQ_HD float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+// (a & m) | (b & ~m): one LOP3 on the GPU (the compiler splits the two-mask form into two).
+JHQ_HD uint32_t bit_select(uint32_t a, uint32_t b, uint32_t m) {
+#if defined(__CUDA_ARCH__)
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(d) : "r"(a), "r"(b), "r"(m));
+  return d;
+#else
+  return (a & m) | (b & ~m);
+#endif
+}
 JHQ_HD bool is_nan(float x) { return x != x; }
 JHQ_HD bool is_inf(float x) { return (f2u(x) & 0x7FFFFFFFu) == 0x7F800000u; }
 // x with a NaN made the canonical quiet NaN (0x7FC00000, the bits jnp.nan and formats.base.canonical_nan give):
@@ -219,23 +229,28 @@ JHQ_HD float add_exact_product(float a, float p, float s) {
 }
 // Round a = min(|y|, 6) (not NaN) to E2M1's grid, nearest even, in integer and add operations only (no
 // rounding or conversion instruction: those run at a quarter of the rate on the GPU). E2M1's grid step at a is
-// half of a's binade floor (0.5 below 1), so adding M = 2^(22 + max(e, 0)) (e: a's exponent) rounds a to the
-// grid in the float addition itself; the low bits of r = a + M count the steps k, and the code is
-// 2 max(e, 0) + k. `e2m1_pow(a)` = the bits of 2^max(e, 0) (the step is half of it); M = 2^max(e, 0) * 2^22 is
-// added as an exact product (add_exact_product: one FFMA).
+// half of a's binade floor (0.5 below 1), so adding M = 2^(22 + e') (e' = max(e, 0), e: a's exponent) rounds a to
+// the grid in the float addition itself: r = a + M is M + k steps, k = a / step rounded to nearest even, and the
+// code is 2 e' + k. `e2m1_pow(a)` = the bits of 2^e' (the step is half of it); M = 2^e' * 2^22 is added as an
+// exact product (add_exact_product: one FFMA).
 JHQ_HD uint32_t e2m1_pow(float a) {
   const uint32_t eb = f2u(a) & 0xFF800000u;
   return eb > 0x3F800000u ? eb : 0x3F800000u;
 }
-JHQ_HD uint32_t e2m1_nearest(float a) {
-  const uint32_t pow = e2m1_pow(a);
-  const float r = add_exact_product(a, u2f(pow), 0x1p22f);  // a + M
-  return f2u(r) - (pow + (22u << 23)) + (pow >> 22) - 254u;
+// The code 2 e' + k in bits 0..2 of the result (the bits above are not the code's). It adds M + 6 steps (2^e' *
+// (2^22 + 3), exact) instead of M: an even number of steps, so the same k (ties go to an even k either way), and
+// r stays in M's binade, so r's bits are (149 + e') << 23 | (6 + k), and r + (r >> 22) = ... + 304 + 2 e' + k
+// (r >> 22 is 2 (149 + e'): bit 22 of r is 0), whose low three bits are the code. Two instructions after the
+// FFMA (one LEA on the GPU) where subtracting M and adding 2 e' took three.
+JHQ_HD uint32_t e2m1_nearest_bits(float a) {
+  const uint32_t r = f2u(add_exact_product(a, u2f(e2m1_pow(a)), 0x1p22f + 3.0f));
+  return r + (r >> 22);
 }
-// e2m1_code for a y that is not NaN, by e2m1_nearest. Equal to e2m1_code for every float but NaN (checked over all
-// of them: tests/test_cuda_emu.py). 32 bits: e2m1_nearest is 0..7 exactly, so no byte truncation is spent on it.
+// e2m1_code for a y that is not NaN, by e2m1_nearest_bits: the code's bits 0..2 and y's sign as bit 3 (bit 31 of
+// y shifted down; the three bits below it are dropped by the select: one LOP3). Equal to e2m1_code for every float
+// but NaN (checked over all of them: tests/test_cuda_emu.py). 32 bits: 0..15 exactly, so no byte truncation.
 JHQ_HD uint32_t e2m1_code_finite(float y) {
-  return e2m1_nearest(fminf(fabsf(y), 6.0f)) | ((f2u(y) >> 28) & 8u);
+  return bit_select(e2m1_nearest_bits(fminf(fabsf(y), 6.0f)), f2u(y) >> 28, 7u);  // f2u(y) >> 28 < 16: ~7 keeps bit 3
 }
 // Magnitude of E2M1 code c in 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6 (no table: registers only on the GPU).
 JHQ_HD float e2m1_grid(int c) { return c < 4 ? 0.5f * float(c) : (c < 6 ? float(c - 2) : 2.0f * float(c - 4)); }
@@ -260,7 +275,7 @@ JHQ_HD float e2m1_value(uint8_t c) {
 }
 // The values of the E2M1 roundings above, for decoded copies: e2m1_value of e2m1_code_finite(y), e2m1_code(y) and
 // e2m1_code_sr(y, k), without forming the code (checked on every float: tests/test_cuda_emu.py). Nearest: the
-// float addition of e2m1_nearest rounds a to the grid, so r - M is the value (both in M's binade: exact).
+// float addition r = a + M (e2m1_pow) rounds a to the grid, so r - M is the value (both in M's binade: exact).
 // Stochastic: t's bits after the carry, cut below the kept mantissa bit, are the value (minus the 1 added below 1).
 JHQ_HD float e2m1_round_finite(float y) {
   const float a = fminf(fabsf(y), 6.0f), p = u2f(e2m1_pow(a));
