@@ -16,12 +16,15 @@ jaxhq_fp8_block_1d1d 1x128 x 1x128 (wgrad), its `_segment8` row the MoE wgrad (K
 output each: `segment_gemm`, CUTLASS) and `_segment1` the same dense GEMM on that CUTLASS kernel (one segment);
 `_cutlass1` rows: the dense FP8 GEMM on CUTLASS's grouped kernel with one group (ref = cuBLASLt's). 1x128 and
 MXFP8 operands come with their scales as the quantize launch writes them, as in a training step (`_as_in_a_step`).
+`_decoded` rows take the operands as a training step hands them to these GEMMs on a Hopper: decoded copies (the
+quantize launch's bf16 values, no dequantize pass in the GEMM); the grouped one against the dense one.
 Each shape's rows are printed as soon as that shape finishes; the JSON is rewritten after every shape.
 --chain N times N calls of each variant in one jitted program, each on its own copy of the operands (no call is
 merged with another), and reports the time per call: at small shapes (a d 1024 model's GEMMs, tens of us) a
 standalone call's host dispatch outlasts the GEMM, while in a training step XLA launches them from its graphs.
 
     python benchmarks/gemm.py [--shapes 8192x8192x8192,16384x4096x14336] [--chain 8] [--out FILE] [--quick]
+                              [--kernels grouped8,_decoded]
 
 A shape is MxKxN (out[M, N] = A[M, K] @ B[N, K].T).
 """
@@ -50,6 +53,14 @@ SHAPES = [(8192, 8192, 8192), (16384, 4096, 4096), (16384, 4096, 14336), (16384,
 def _quantizer(fmt):
     """One jitted program per format: x -> its rowwise copy in fmt."""
     return jax.jit(lambda t: quantize(t, fmt, "rowwise").rowwise)
+
+
+@functools.lru_cache(maxsize=None)
+def _decoded(fmt):
+    """x -> its rowwise copy in fmt written decoded (bf16 values), as the quantize launch writes the copies a
+    training step's GEMM reads at once on a Hopper (ops.gemm.decoded_copies); the codes where no kernel runs."""
+    from jaxhq.ffi.dispatch import quantize_copies
+    return jax.jit(lambda t: quantize_copies(t, fmt, ("rowwise",), decoded=("rowwise",))["rowwise"])
 
 
 def _grouped(kernel="auto", fast_accum=False):
@@ -122,6 +133,16 @@ def variants(m, k, n, key, xla_scaled=False):
         for label, kern, env in (("", wg, {}), ("_dq", "dequantize", {}),
                                  ("_dq_host", "dequantize", {"JAXHQ_DQ_GROUPED": "host"})):
             v[f"jaxhq_mxfp8_grouped{GROUPS}{label}"] = (_grouped(kern), (ma, wq, sizes), env)
+    # decoded operands, as a training step hands them over on a Hopper: the dense and the grouped GEMM with no
+    # dequantize pass (the grouped one against the dense one)
+    dq = jax.jit(lambda a, b: G.blockscaled_gemm(a, b, jnp.bfloat16, kernel="dequantize"))
+    for label, fmt in (("mxfp8", MXFP8("e4m3")), ("nvfp4", NVFP4())):
+        da = _decoded(fmt)(x)
+        v[f"jaxhq_{label}_dq_decoded"] = (dq, (da, _decoded(fmt)(w)))
+        if m % GROUPS == 0:
+            wd = G.stack_storages([_decoded(fmt)(jnp.roll(w, i, axis=0)) for i in range(GROUPS)])
+            v[f"jaxhq_{label}_grouped{GROUPS}_decoded"] = (_grouped("dequantize"),
+                                                           (da, wd, jnp.full((GROUPS,), m // GROUPS, jnp.int32)))
     v["scaled_matmul_mxfp8"] = (
         jax.jit(lambda a, b, sa, sb: jax.nn.scaled_matmul(a[None], b[None], sa[None], sb[None],
                                                           preferred_element_type=jnp.bfloat16)[0]),
@@ -173,7 +194,9 @@ REF = {f"xla_bf16_ragged_dot_grouped{GROUPS}": "xla_bf16", f"jaxhq_bf16_grouped{
        f"jaxhq_mxfp8_grouped{GROUPS}": "jaxhq_mxfp8", f"jaxhq_mxfp8_grouped{GROUPS}_dq": "jaxhq_mxfp8_dq",
        f"jaxhq_mxfp8_grouped{GROUPS}_dq_host": "jaxhq_mxfp8_dq",
        "jaxhq_nvfp4": "scaled_matmul_nvfp4", "jaxhq_nvfp4_wgmma": "scaled_matmul_nvfp4",
-       **{f"jaxhq_nvfp4_grouped{GROUPS}{s}": "jaxhq_nvfp4" for s in ("_dq", "_dq_host")}}
+       **{f"jaxhq_nvfp4_grouped{GROUPS}{s}": "jaxhq_nvfp4" for s in ("_dq", "_dq_host")},
+       **{f"jaxhq_{f}_dq_decoded": "xla_bf16" for f in ("mxfp8", "nvfp4")},
+       **{f"jaxhq_{f}_grouped{GROUPS}_decoded": f"jaxhq_{f}_dq_decoded" for f in ("mxfp8", "nvfp4")}}
 COLUMNS = ["M", "K", "N", "kernel", "ms", "tflops", "x_bf16", "x_ref", "ref"]
 
 
@@ -197,6 +220,9 @@ def main():
     p.add_argument("--rounds", type=int, default=3, help="timing rounds over all variants (median per variant)")
     p.add_argument("--xla-scaled", action="store_true", help="also time XLA's scaled FP8 dot (jaxhq's XLA FP8 path)")
     p.add_argument("--chain", type=int, default=1, help="calls per jitted program, each on its own operands' copy")
+    p.add_argument("--kernels", default=None,
+                   help="comma-separated substrings: time only the variants whose name holds one (xla_bf16 and each "
+                        "kept variant's reference always run)")
     args = p.parse_args()
     if args.shapes:
         shapes = [_shape(t) for t in args.shapes.split(",") if t]
@@ -208,6 +234,10 @@ def main():
         key, sub = jax.random.split(key)
         t0 = time.perf_counter()
         vs = variants(m, k, n, sub, args.xla_scaled)
+        if args.kernels:
+            keep = {name for name in vs if any(w in name for w in args.kernels.split(","))} | {"xla_bf16"}
+            keep |= {REF[name] for name in keep if name in REF}
+            vs = {name: entry for name, entry in vs.items() if name in keep}
         if args.chain > 1:
             vs = {name: chained(fn, a, args.chain) + tuple(env) for name, (fn, a, *env) in vs.items()}
         print(f"{m}x{k}x{n}: operands in {time.perf_counter() - t0:.1f} s", flush=True)

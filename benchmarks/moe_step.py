@@ -6,12 +6,14 @@ multiplies all of them), "capacity" with a capacity factor (buffers of factor * 
 overflow dropped), and "grouped" (the sorted token copies through one ragged grouped GEMM per forward and dgrad
 GEMM, the wgrad one GEMM grouped along the tokens; a recipe it does not take gets the op's refusal as its row's
 error). Each row: median ms of back-to-back
-jitted steps, its ratio to bf16 dropless, the expert GEMMs' useful TFLOP/s (6 x routed tokens x d x d_ff x 3:
-swiglu's fc1 has 2 d_ff outputs, fc2 d_ff inputs; only the rows that are routed count), and the compile time.
-Prints each row as it finishes; JSON to --out.
+jitted steps, its ratio to bf16's first row (dropless capacity unless --dispatches leaves it out), the expert GEMMs'
+useful TFLOP/s (6 x routed tokens x d x d_ff x 3: swiglu's fc1 has 2 d_ff outputs, fc2 d_ff inputs; only the rows
+that are routed count), and the compile time. --paths runs each quantized recipe under switches read at trace time
+as well (A/B in one process). Prints each row as it finishes; JSON to --out.
 
     python benchmarks/moe_step.py                  # on a GPU: 8 experts, top-2, 8192 tokens, d 2048, d_ff 4096
     python benchmarks/moe_step.py --quick          # a small layer (the CPU default)
+    python benchmarks/moe_step.py --recipes bf16,mxfp8 --dispatches grouped --paths 'default;env:JAXHQ_DECODED=0'
 """
 from __future__ import annotations
 
@@ -24,12 +26,24 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import parser, print_table, time_back_to_back, write_json  # noqa: E402
+from common import environ, parser, print_table, time_back_to_back, write_json  # noqa: E402
 
 from jaxhq import recipes  # noqa: E402
 from jaxhq.layers import MoE  # noqa: E402
 
-COLUMNS = ["recipe", "dispatch", "ms", "vs_bf16", "tflops", "compile_s", "error"]
+COLUMNS = ["recipe", "dispatch", "path", "ms", "vs_bf16", "tflops", "compile_s", "error"]
+DISPATCHES = ("capacity", "factor", "grouped")  # dropless capacity, capacity with --factor, grouped
+
+
+def path_env(path: str) -> dict:
+    """The environment a --paths entry sets while its step is traced: none for "default", NAME=VALUE for
+    "env:NAME=VALUE" (e.g. env:JAXHQ_DECODED=0)."""
+    if path == "default":
+        return {}
+    name, eq, value = path[4:].partition("=")
+    if not path.startswith("env:") or not eq or not name:
+        raise SystemExit(f"--paths: {path!r} is neither 'default' nor env:NAME=VALUE")
+    return {name: value}
 
 
 def case(recipe: str, dispatch: str, factor, x, experts: int, top_k: int, d_ff: int):
@@ -57,7 +71,15 @@ def main():
     p.add_argument("--d-model", type=int, default=None, help="default: 2048 on a GPU, 128 elsewhere or --quick")
     p.add_argument("--d-ff", type=int, default=None, help="default: 4096 on a GPU, 256 elsewhere or --quick")
     p.add_argument("--factor", type=float, default=1.25, help="the capacity factor of the dropping dispatch")
+    p.add_argument("--dispatches", default=",".join(DISPATCHES), help=f"a subset of {','.join(DISPATCHES)}")
+    p.add_argument("--paths", default="default",
+                   help="';'-separated: 'default' and env:NAME=VALUE switches read at trace time, each quantized "
+                        "recipe run under each (e.g. 'default;env:JAXHQ_DECODED=0')")
     a = p.parse_args()
+    unknown = set(a.dispatches.split(",")) - set(DISPATCHES)
+    if unknown:
+        raise SystemExit(f"--dispatches: unknown {sorted(unknown)}; known: {', '.join(DISPATCHES)}")
+    paths = [(q, path_env(q)) for q in a.paths.split(";")]
     small = a.quick or jax.default_backend() == "cpu"
     tokens = a.tokens or (512 if small else 8192)
     d, d_ff = a.d_model or (128 if small else 2048), a.d_ff or (256 if small else 4096)
@@ -66,20 +88,25 @@ def main():
     print(f"MoE: {a.experts} experts, top-{a.top_k}, {tokens} tokens, d {d}, d_ff {d_ff} (swiglu); "
           f"{jax.devices()[0].device_kind}", flush=True)
     rows, base = [], None
+    cases = [c for c, on in zip((("capacity", None), ("capacity", a.factor), ("grouped", None)), DISPATCHES)
+             if on in a.dispatches.split(",")]
     for recipe in a.recipes.split(","):
-        for dispatch, factor in (("capacity", None), ("capacity", a.factor), ("grouped", None)):
+        for (dispatch, factor), (path, env) in ((c, q) for c in cases for q in (paths[:1] if recipe == "bf16"
+                                                                                 else paths)):
             label = dispatch if factor is None else f"{dispatch} x{factor:g}"
-            row = dict(recipe=recipe, dispatch=label)
+            row = dict(recipe=recipe, dispatch=label, path=path)
             try:
-                ms, compile_s = case(recipe, dispatch, factor, x, a.experts, a.top_k, d_ff)
-                base = ms if base is None and recipe == "bf16" and factor is None else base
+                with environ(env):
+                    ms, compile_s = case(recipe, dispatch, factor, x, a.experts, a.top_k, d_ff)
+                base = ms if base is None and recipe == "bf16" else base
                 row |= dict(ms=ms, vs_bf16=None if base is None else ms / base, tflops=flops / ms / 1e9,
                             compile_s=compile_s)
             except Exception as e:  # a dispatch a recipe cannot take: say so and go on
                 row["error"] = f"{type(e).__name__}: {e}"[:200]
             rows.append(row)
-            print(f"  {recipe} {label}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                                       for k, v in row.items() if k not in ("recipe", "dispatch")),
+            print(f"  {recipe} {label} [{path}]: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                                       for k, v in row.items()
+                                                       if k not in ("recipe", "dispatch", "path")),
                   flush=True)
     print_table(rows, COLUMNS)
     print("wrote", write_json("moe_step", rows, a.out, experts=a.experts, top_k=a.top_k, tokens=tokens, d_model=d,

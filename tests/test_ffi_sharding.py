@@ -96,8 +96,8 @@ def test_sharded_quantize_stays_sharded():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     # the jaxhq this process imported (with its built extension: an installed package need not be the checkout)
     here = os.path.dirname(os.path.abspath(__file__))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(jffi.__file__)), here,
-                                                    env.get("PYTHONPATH")) if p)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(jffi.__file__)))  # the directory holding jaxhq/
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, here, env.get("PYTHONPATH")) if p)
     r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=here, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

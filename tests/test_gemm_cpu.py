@@ -129,6 +129,31 @@ def test_cpu_grouped(recipe, accumulate):
         assert (out[start:] == 0).all(), "rows past the groups must be zero"
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_cpu_grouped_reads_decoded_operands(fmt):
+    """Decoded copies (bf16 values, as the quantize launch writes them where the GEMMs dequantize) as A and as the
+    stacked weights give the codes' grouped GEMM bit for bit: the same values summed in the same order; a decoded
+    operand is refused by the wgmma kernel, which reads codes."""
+    from jaxhq.ffi.dispatch import quantize_copies
+    from jaxhq.formats import quantize
+    q = RECIPES[fmt][0]
+    rng = np.random.default_rng(6)
+    t, k, n, sizes = 100, 256, 64, jnp.asarray([5, 0, 70, 20], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((t, k)), jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32) for _ in range(4)]
+    dec = lambda v: quantize_copies(v, q, ("rowwise",), decoded=("rowwise",))["rowwise"]  # noqa: E731
+    a, bs = dec(x), G.stack_storages([dec(w) for w in ws])
+    assert a.decoded and bs.decoded and a.data.dtype == bs.data.dtype == jnp.bfloat16
+    a_codes = quantize(x, q, "rowwise").rowwise
+    bs_codes = G.stack_storages([quantize(w, q, "rowwise").rowwise for w in ws])
+    fn = jax.jit(lambda a, bs: G.grouped_gemm(a, bs, sizes, jnp.float32))
+    want = np.asarray(fn(a_codes, bs_codes))
+    for got, what in ((fn(a, bs), "both"), (fn(a, bs_codes), "A"), (fn(a_codes, bs), "B")):
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{fmt}: decoded {what}")
+    with pytest.raises(G.GemmUnsupported, match="reads codes"):
+        G.grouped_gemm(a, bs, sizes, jnp.float32, kernel="wgmma")
+
+
 def test_stack_storages_rejects_mixed_groups():
     """Grouped weights of different formats (or none) are an error naming the cause, not a silent stack."""
     from jaxhq.formats import quantize

@@ -794,6 +794,31 @@ def test_grouped_dequantized(fmt, path, accumulate, sizes, monkeypatch):
                    jnp.bfloat16, f"{fmt} grouped dequantized ({path}) {sizes} accumulate={accumulate} seed={seed}")
 
 
+@pytest.mark.parametrize("path", ["device", "host"])
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_grouped_dequantized_reads_decoded_operands(fmt, path, monkeypatch):
+    """Decoded copies (the quantize kernels' bf16 values, what the MoE grouped dispatch hands over on a Hopper) as A
+    and as the stacked weights: read where they lie, no dequantize pass, and the result is the codes' bit for bit
+    (the same bf16 values into the same kernel)."""
+    from jaxhq.ffi.dispatch import quantize_copies
+    _hopper_only()
+    if path == "host":
+        monkeypatch.setenv("JAXHQ_DQ_GROUPED", "host")
+    rng, seed = _rng()
+    t, k, n, sizes = 1000, 528, 1064, jnp.asarray(GROUPED_SIZES[0], jnp.int32)
+    q = MXFP8("e4m3") if fmt == "mxfp8" else NVFP4()
+    x = jnp.asarray(rng.standard_normal((t, k)) * rng.uniform(0.5, 4), jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal((n, k)) * rng.uniform(0.01, 1), jnp.float32) for _ in range(4)]
+    dec = lambda v: quantize_copies(v, q, ("rowwise",), decoded=("rowwise",))["rowwise"]  # noqa: E731
+    a, bs = dec(x), G.stack_storages([dec(w) for w in ws])
+    assert a.decoded and bs.decoded
+    fn = jax.jit(lambda a, bs: G.grouped_gemm(a, bs, sizes, jnp.bfloat16))
+    got = _poisoned_call(fn, a, bs, shape=(t, n), dtype=jnp.bfloat16)
+    want = fn(quantize(x, q, "rowwise").rowwise, G.stack_storages([quantize(w, q, "rowwise").rowwise for w in ws]))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                  err_msg=f"{fmt} ({path}) seed={seed}")
+
+
 @pytest.mark.parametrize("sizes", GROUPED_SIZES, ids=GROUPED_IDS)
 @pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "accumulate"])
 def test_bf16_grouped(accumulate, sizes):

@@ -140,6 +140,35 @@ def test_grouped_gemm_dispatch_equals_capacity(recipe_name, dtype):
     _close((loss, y, dx, dws, db), (loss_r, y_r, dx_r, dws_r, db_r), rel=4e-5 if dtype == jnp.float32 else 1e-2)
 
 
+@needs_grouped_gemms
+def test_grouped_gemm_dispatch_decoded_copies_equal_codes(monkeypatch):
+    """Where the grouped MXFP8 GEMMs dequantize their operands (Hopper; the CPU handlers under JAXHQ_KERNELS=all),
+    dispatch "grouped" asks, as the dense op does, for the copies its row-grouped GEMMs read at once to be written
+    decoded: x's and the weights' rowwise ones (forward) and the gradient's rowwise one (dgrad), never the weights'
+    columnwise codes kept for dgrad. The loss and every gradient equal those of the codes (JAXHQ_DECODED=0) bit for
+    bit: the GEMMs read the same values."""
+    from jaxhq.ffi import primitives as P
+    from test_ffi_checks import spy_launches
+    monkeypatch.setenv("JAXHQ_KERNELS", "all")
+    sizes, rows = (100, 0, 60, 80), 256
+
+    def run():
+        launches = spy_launches(monkeypatch)
+        out = _grouped("mxfp8", sizes, rows, dispatch="grouped")
+        return out, {(shape, which): bool(opts & P.OPT_DECODED) for shape, _, row, col in launches
+                     for which, (fmt, opts) in (("row", row), ("col", col)) if fmt}
+
+    decoded, asked = run()
+    # x [256, 64] and the gradient [256, 96] launch rowwise; each weight [64, 96] from the other side (its rowwise
+    # copy, w.T's rows, is the launch's columnwise one), its dgrad copy on the launch's rowwise side
+    assert asked[((256, 64), "row")] and asked[((256, 96), "row")], asked
+    assert asked[((64, 96), "col")] and not asked[((64, 96), "row")], asked
+    monkeypatch.setenv("JAXHQ_DECODED", "0")
+    codes, asked = run()
+    assert not any(asked.values()), asked
+    _equal(decoded, codes)
+
+
 @pytest.mark.parametrize("recipe_name", GROUPED_RECIPES)
 def test_segment_copies_are_the_group_copies(recipe_name):
     """The wgrad's copies of dispatch "grouped": the columnwise copy of the segment-laid-out rows (to_segments:

@@ -204,6 +204,12 @@ def _u8(x):
     return x if x.dtype == jnp.uint8 else lax.bitcast_convert_type(x, jnp.uint8)
 
 
+def _dq_data(s: Storage):
+    """An operand's data as jaxhq_gemm_dq(_grouped) takes it: codes as bytes, a decoded copy as its bf16 values
+    (the handlers read those where they lie; their scales are not read)."""
+    return s.data if s.decoded else _u8(s.data)
+
+
 def _dq_scales(s: Storage):
     """An operand's scales as jaxhq_gemm_dq(_grouped) takes them: as the quantize launch wrote them
     (dispatch.launch_scales: MXFP8 ones [..., ceil(K/32), rows], the handlers' rows_inner), as bytes."""
@@ -376,9 +382,8 @@ def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=Non
                                        (a.decoded, b.decoded)))
     call = jax.ffi.ffi_call(DQ_TARGET, (jax.ShapeDtypeStruct((m, n), out_dtype), ws), input_output_aliases=aliases,
                             vmap_method="sequential")
-    data = lambda s: s.data if s.decoded else _u8(s.data)  # noqa: E731  (decoded: bf16, read as such)
     # b_kn: B's data is [K, N] (a transposed decoded copy: its scales are not read)
-    return call(data(a), _dq_scales(a), amax_a, data(b), _dq_scales(b), amax_b, bias_, c,
+    return call(_dq_data(a), _dq_scales(a), amax_a, _dq_data(b), _dq_scales(b), amax_b, bias_, c,
                 fmt_a=np.int32(fa), fmt_b=np.int32(fb), k=np.int64(k), accumulate=np.int32(accumulate is not None),
                 b_kn=np.int32(b.transposed), rows_inner=np.int32(fa != FMT_NVFP4))[0]
 
@@ -397,7 +402,8 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
     synchronisation) and promote their sums every 128-wide K step, unless `fast_accum` (per-tensor, CUTLASS or
     cuBLASLt). The dequantize path of MXFP8 and NVFP4 on a Hopper with CUTLASS (bf16 out, no bias) runs CUTLASS's
     bf16 grouped kernel on the dequantized operands (NVFP4's global scales as per-group alphas), the sizes on the
-    device too (JAXHQ_DQ_GROUPED=host: the cuBLASLt loop).
+    device too (JAXHQ_DQ_GROUPED=host: the cuBLASLt loop); decoded operands (`Storage.decoded`, A or the stacked
+    weights) are read where they lie, with no dequantize pass.
     Two high-precision (Identity) bf16 operands: CUTLASS's bf16 grouped kernel, sizes on the device.
     `kernel="cublaslt"` and the other cases read the sizes on the host (one stream synchronisation).
     """
@@ -448,6 +454,12 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
     (_, k), (n, kb) = a.shape, b0.shape
     if k != kb or (fa == FMT_NVFP4) != (fb == FMT_NVFP4):
         raise GemmUnsupported(f"{name}: no kernel for {a.format} {a.shape} x {b0.format} {b0.shape}")
+    if a.transposed or b0.transposed:
+        raise GemmUnsupported(f"{name}: transposed copies are read by the dense GEMM only")
+    if a.decoded or b0.decoded:  # the values are there already: the bf16 grouped GEMM reads them where they lie
+        if kernel == "wgmma":
+            raise GemmUnsupported(f"{name}: the wgmma kernel reads codes, not decoded copies")
+        kernel = "dequantize"
     if fa == FMT_NVFP4:
         if a.quantizer.uses_rht(a.axis) != b0.quantizer.uses_rht(b0.axis) or k % 16:
             raise GemmUnsupported(f"{name}: NVFP4 needs K % 16 == 0 and the same Hadamard use on both sides")
@@ -471,7 +483,7 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
     call = jax.ffi.ffi_call(DQ_TARGET + "_grouped", jax.ShapeDtypeStruct((t, n), out_dtype),
                             input_output_aliases=aliases,
                             vmap_method="sequential")
-    return call(_u8(a.data), _dq_scales(a), amax_a, _u8(stacked.data), _dq_scales(stacked), amax_b, sizes,
+    return call(_dq_data(a), _dq_scales(a), amax_a, _dq_data(stacked), _dq_scales(stacked), amax_b, sizes,
                 bias_, c, fmt_a=np.int32(fa), fmt_b=np.int32(fb), k=np.int64(k),
                 accumulate=np.int32(accumulate is not None), rows_inner=np.int32(fa != FMT_NVFP4))
 

@@ -14,8 +14,9 @@ jaxhq/sharding/experts.py). This is the exact reference.
 
 "grouped" runs the forward and dgrad GEMMs as one ragged grouped GEMM each over the sorted rows
 (jaxhq.ffi.gemm.grouped_gemm: no per-group buffers, no multiply of rows past a group; on a Hopper with CUTLASS
-the blockwise FP8, dequantized MXFP8 and bf16 calls read the group sizes on the device; high-precision operands
-without a kernel take XLA's ragged_dot), for quantizers whose forward and dgrad copies are high precision or
+the blockwise FP8, dequantized MXFP8 and bf16 calls read the group sizes on the device, and the MXFP8 copies those
+GEMMs read at once come decoded, as the dense op's do, so no call dequantizes the G weights; high-precision
+operands without a kernel take XLA's ragged_dot), for quantizers whose forward and dgrad copies are high precision or
 row-local (rowwise MXFP8 or 1x128 blocks), so that quantizing all rows at once gives each row the bits its group
 alone would give it. The wgrad contracts over each group's rows. Where the columnwise copies are high precision
 or block-local along the tokens too (MXFP8, 1x128 blocks), the sorted rows are laid out in segments of whole
@@ -238,11 +239,11 @@ def _grouped_gemms(x, kernels, group_sizes, quantizers, biases, key, states, exp
     return _grouped_gemm_op(x, kernels, biases, sizes, keys, _shared(quantizers))
 
 
-def _quantized_weights(kernels, keys, qs, dtype, usage):
+def _quantized_weights(kernels, keys, qs, dtype, usage, decoded=()):
     """Each group's kernel [K, N] quantized as the dense op quantizes it (as kernel.T, the copies in `usage`, the
-    group's weight key), stacked."""
+    group's weight key; `decoded`: as the dense op's `_quantize`), stacked."""
     def one(k, kg):
-        return _quantize(k, qs, "weight", usage, _keys(kg)[1], None, transposed=True, cast_to=dtype)
+        return _quantize(k, qs, "weight", usage, _keys(kg)[1], None, transposed=True, cast_to=dtype, decoded=decoded)
     return jax.vmap(one, in_axes=(0, None if keys is None else 0))(kernels, keys)
 
 
@@ -259,9 +260,11 @@ def _grouped_call(a, bs, sizes, dtype, qs, name: str, slot: str):
 
 
 def _grouped_forward(x, kernels, biases, sizes, keys, qs, usage_w):
-    """(y, the weights' QTensor with the copies in usage_w)."""
-    qx = _quantize(x, qs, "input", (ROWWISE,), None, None)
-    qw = _quantized_weights(kernels, keys, qs, x.dtype, usage_w)
+    """(y, the weights' QTensor with the copies in usage_w). The rowwise copies, which the GEMM reads at once, are
+    written decoded where the grouped GEMM would dequantize them (ops.gemm.decoded_copies, as the dense op's);
+    the weights' columnwise copies, kept for dgrad, stay codes."""
+    qx = _quantize(x, qs, "input", (ROWWISE,), None, None, decoded=(ROWWISE,))
+    qw = _quantized_weights(kernels, keys, qs, x.dtype, usage_w, decoded=(ROWWISE,))
     y = _grouped_call(qx.rowwise, qw.rowwise, sizes, x.dtype, qs, "forward", "input")
     if biases is not None:  # per row its group's bias; rows past the groups stay 0
         live = jnp.arange(x.shape[0]) < jnp.sum(sizes)
@@ -282,7 +285,7 @@ def _grouped_fwd(x, kernels, biases, sizes, keys, qs):
 
 def _grouped_bwd(qs, res, dy):
     x, w_col, sizes, keys, (k_dtype, b_dtype) = res
-    qdy = _quantize(dy, qs, "grad_output", (ROWWISE,), None, None)
+    qdy = _quantize(dy, qs, "grad_output", (ROWWISE,), None, None, decoded=(ROWWISE,))
     dx = _grouped_call(qdy.rowwise, w_col, sizes, x.dtype, qs, "dgrad", "grad_output")
     if _row_local(qs.input, COLUMNWISE) and _row_local(qs.grad_output, COLUMNWISE):
         dw = _segment_wgrad(x, dy, sizes, qs).astype(k_dtype)

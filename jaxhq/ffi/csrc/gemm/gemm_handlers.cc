@@ -737,6 +737,23 @@ ffi::Error dequant(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuffer& 
                      static_cast<const uint8_t*>(s.untyped_data()), d[0], fmt, k, out, rows_inner);
 }
 
+// `groups` stacked operands [rows, K] of the grouped dequantize path as bf16: a decoded copy where it lies, codes
+// dequantized into scratch.
+ffi::Error dequant_stacked(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuffer& x, const ffi::AnyBuffer& s,
+                           int64_t groups, int64_t rows, int32_t fmt, int64_t k, bool rows_inner, const char* which,
+                           void** out) {
+  if (decoded(x)) {
+    if (int64_t(x.element_count()) != groups * rows * k)
+      return invalid(std::string(which) + " is decoded " + dims(x) + ", expected " + std::to_string(groups) + " x [" +
+                     std::to_string(rows) + ", " + std::to_string(k) + "]");
+    *out = const_cast<void*>(x.untyped_data());
+    return ffi::Error::Success();
+  }
+  if (auto e = check_dq(x, s, groups, rows, fmt, k, which); e.failure()) return e;
+  return dequant_ptr(stream, scratch, static_cast<const uint8_t*>(x.untyped_data()),
+                     static_cast<const uint8_t*>(s.untyped_data()), groups * rows, fmt, k, out, rows_inner, groups);
+}
+
 int compute_major() {  // of the current device (0 when it cannot be read)
   int dev = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
@@ -971,8 +988,6 @@ ffi::Error gemm_dq_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi
   if (da.size() != 2 || db.size() != 3) return invalid("grouped: A must be 2D and B 3D, got " + dims(a) + " and " + dims(b));
   if ((fmt_a == kNvfp4) != (fmt_b == kNvfp4)) return invalid("NVFP4 pairs only with NVFP4");
   const int64_t t = da[0], groups = db[0], n = db[1];
-  if (auto e = check_dq(a, sa, 1, t, fmt_a, k, "A"); e.failure()) return e;
-  if (auto e = check_dq(b, sb, groups, n, fmt_b, k, "B"); e.failure()) return e;
   if (auto e = check_sizes(gs, groups); e.failure()) return e;
   if (fmt_a == kNvfp4 && (amax_a.element_type() != ffi::DataType::F32 || amax_a.element_count() != 1 ||
                           amax_b.element_type() != ffi::DataType::F32 || int64_t(amax_b.element_count()) != groups))
@@ -985,14 +1000,8 @@ ffi::Error gemm_dq_grouped(cudaStream_t stream, ffi::ScratchAllocator alloc, ffi
   if (auto e = check_grouped_out(t, groups, n, &bias, cin, out, accumulate, &c); e.failure()) return e;
   void *dqa = nullptr, *dqb = nullptr;
   const bool inner = rows_inner && fmt_a != kNvfp4;  // MXFP8 scales as the quantize launch writes them
-  if (auto e = dequant_ptr(stream, scratch, static_cast<const uint8_t*>(a.untyped_data()),
-                           static_cast<const uint8_t*>(sa.untyped_data()), t, fmt_a, k, &dqa, inner);
-      e.failure())
-    return e;
-  if (auto e = dequant_ptr(stream, scratch, static_cast<const uint8_t*>(b.untyped_data()),
-                           static_cast<const uint8_t*>(sb.untyped_data()), groups * n, fmt_b, k, &dqb, inner, groups);
-      e.failure())
-    return e;
+  if (auto e = dequant_stacked(stream, scratch, a, sa, 1, t, fmt_a, k, inner, "A", &dqa); e.failure()) return e;
+  if (auto e = dequant_stacked(stream, scratch, b, sb, groups, n, fmt_b, k, inner, "B", &dqb); e.failure()) return e;
 #ifdef JAXHQ_WITH_CUTLASS
   gemm::CutlassGrouped p{};
   p.a = dqa, p.b = dqb, p.group_sizes = static_cast<const int32_t*>(gs.untyped_data()), p.out = c.d;
