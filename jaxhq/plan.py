@@ -67,11 +67,14 @@ def plan(recipe, roles_or_model: Iterable[QuantizerRole] = (), *example_inputs) 
     rows = []
     for role in roles:
         q = rec.quantizer(role)
-        # the dense op decodes the copies its GEMMs read at once: the forward's, and both of the gradient
+        # the dense op decodes the copies its GEMMs read at once: the forward's, and both of the gradient; the MoE
+        # experts' (grouped_linear) copies likewise (the capacity dispatch runs the dense op per expert; the
+        # grouped one decodes the same copies, and for its wgrad along the tokens the input's columnwise one too)
         now = (ROWWISE, COLUMNWISE) if role.tensor_type == "grad_output" else (ROWWISE,)
-        decoded = decoded_copies(q, now) if role.module_type == "linear" else ()
+        dense_op = role.module_type in ("linear", "grouped_linear")
+        decoded = decoded_copies(q, now) if dense_op else ()
 
-        shared = role.module_type == "linear" and role.tensor_type == "weight" and shares_transposed_copy(q)
+        shared = dense_op and role.tensor_type == "weight" and shares_transposed_copy(q)
         both = (ROWWISE, COLUMNWISE)
         act = (role in acts and act_grad_path(q, both, acts[role]) == "kernel" and
                takes_act_grad(q, both, platform) and

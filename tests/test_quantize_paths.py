@@ -108,6 +108,8 @@ def test_plan_shows_the_path(kernels_everywhere):
     role = jaxhq.QuantizerRole("linear", "input", "layers_0.fc1")
     text = str(jaxhq.plan("hybrid:mxfp8:nvfp4", [role]))
     assert "path (row|col)" in text and "kernel+decoded|xla" in text
+    expert = jaxhq.QuantizerRole("grouped_linear", "input", "moe.experts_0.fc1")  # an MoE expert's: the same
+    assert "kernel+decoded|xla" in str(jaxhq.plan("hybrid:mxfp8:nvfp4", [expert]))
     kernels_everywhere.setenv("JAXHQ_DECODED", "0")
     assert "kernel|xla" in str(jaxhq.plan("hybrid:mxfp8:nvfp4", [role]))
 
