@@ -12,6 +12,21 @@ import time
 import jax
 
 
+def path_env(path: str, plain: str = None) -> dict:
+    """The environment a --paths entry sets while its step is traced: none for "default", NAME=VALUE for
+    "env:NAME=VALUE" (a switch read at trace time, e.g. env:JAXHQ_DQ_GROUPED=host); any other entry is the value
+    of the variable `plain` names (train_step: JAXHQ_QUANTIZE_PATH), where one is named."""
+    if path == "default":
+        return {}
+    if path.startswith("env:"):
+        name, eq, value = path[4:].partition("=")
+        if eq and name:
+            return {name: value}
+    elif plain:
+        return {plain: path}
+    raise SystemExit(f"--paths: {path!r} is neither 'default' nor env:NAME=VALUE")
+
+
 @contextlib.contextmanager
 def environ(values: dict = None):
     """Environment variables set for the duration, then restored (jaxhq reads some when a step is traced,

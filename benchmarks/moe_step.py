@@ -13,7 +13,7 @@ as well (A/B in one process). Prints each row as it finishes; JSON to --out.
 
     python benchmarks/moe_step.py                  # on a GPU: 8 experts, top-2, 8192 tokens, d 2048, d_ff 4096
     python benchmarks/moe_step.py --quick          # a small layer (the CPU default)
-    python benchmarks/moe_step.py --recipes bf16,mxfp8 --dispatches grouped --paths 'default;env:JAXHQ_DECODED=0'
+    python benchmarks/moe_step.py --recipes bf16,mxfp8 --dispatches grouped --paths 'default;env:JAXHQ_DQ_GROUPED=host'
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environ, parser, print_table, time_back_to_back, write_json  # noqa: E402
+from common import environ, parser, path_env, print_table, time_back_to_back, write_json  # noqa: E402
 
 from jaxhq import recipes  # noqa: E402
 from jaxhq.layers import MoE  # noqa: E402
@@ -34,16 +34,6 @@ from jaxhq.layers import MoE  # noqa: E402
 COLUMNS = ["recipe", "dispatch", "path", "ms", "vs_bf16", "tflops", "compile_s", "error"]
 DISPATCHES = ("capacity", "factor", "grouped")  # dropless capacity, capacity with --factor, grouped
 
-
-def path_env(path: str) -> dict:
-    """The environment a --paths entry sets while its step is traced: none for "default", NAME=VALUE for
-    "env:NAME=VALUE" (e.g. env:JAXHQ_DECODED=0)."""
-    if path == "default":
-        return {}
-    name, eq, value = path[4:].partition("=")
-    if not path.startswith("env:") or not eq or not name:
-        raise SystemExit(f"--paths: {path!r} is neither 'default' nor env:NAME=VALUE")
-    return {name: value}
 
 
 def case(recipe: str, dispatch: str, factor, x, experts: int, top_k: int, d_ff: int):
@@ -74,7 +64,7 @@ def main():
     p.add_argument("--dispatches", default=",".join(DISPATCHES), help=f"a subset of {','.join(DISPATCHES)}")
     p.add_argument("--paths", default="default",
                    help="';'-separated: 'default' and env:NAME=VALUE switches read at trace time, each quantized "
-                        "recipe run under each (e.g. 'default;env:JAXHQ_DECODED=0')")
+                        "recipe run under each (e.g. 'default;env:JAXHQ_DQ_GROUPED=host')")
     a = p.parse_args()
     unknown = set(a.dispatches.split(",")) - set(DISPATCHES)
     if unknown:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environ, parser, print_table, write_json  # noqa: E402
+from common import environ, parser, path_env, print_table, write_json  # noqa: E402
 from step_profile import CATEGORIES, NO_GRAPHS, device_busy, profile_step  # noqa: E402
 
 from jaxhq.train import model as M, state as S  # noqa: E402
@@ -83,9 +83,7 @@ def run_recipe(name: str, cfg: M.GPTConfig, batch: int, steps: int, warmup: int,
     JAXHQ_QUANTIZE_PATH value ("default": as the library chooses) or "env:NAME=VALUE" (another switch read at
     trace time, e.g. env:JAXHQ_DECODED=0), set while the step is traced."""
     jax.clear_caches()
-    name_value = path[4:].partition("=") if path.startswith("env:") else None
-    with environ({} if path == "default" else {name_value[0]: name_value[2]} if name_value
-                 else {"JAXHQ_QUANTIZE_PATH": path}):
+    with environ(path_env(path, "JAXHQ_QUANTIZE_PATH")):
         row, window = _run(name, cfg, batch, steps, warmup, split)
         return row | {"path": path}, window
 
