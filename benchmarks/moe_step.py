@@ -35,7 +35,6 @@ COLUMNS = ["recipe", "dispatch", "path", "ms", "vs_bf16", "tflops", "compile_s",
 DISPATCHES = ("capacity", "factor", "grouped")  # dropless capacity, capacity with --factor, grouped
 
 
-
 def case(recipe: str, dispatch: str, factor, x, experts: int, top_k: int, d_ff: int):
     """(ms, compile seconds) of one jitted loss-and-gradients step of the layer."""
     model = MoE(experts, top_k, d_ff, recipes.get(recipe), activation="swiglu", dispatch=dispatch,
@@ -78,8 +77,8 @@ def main():
     print(f"MoE: {a.experts} experts, top-{a.top_k}, {tokens} tokens, d {d}, d_ff {d_ff} (swiglu); "
           f"{jax.devices()[0].device_kind}", flush=True)
     rows, base = [], None
-    cases = [c for c, on in zip((("capacity", None), ("capacity", a.factor), ("grouped", None)), DISPATCHES)
-             if on in a.dispatches.split(",")]
+    by_name = {"capacity": ("capacity", None), "factor": ("capacity", a.factor), "grouped": ("grouped", None)}
+    cases = [by_name[name] for name in DISPATCHES if name in a.dispatches.split(",")]
     for recipe in a.recipes.split(","):
         for (dispatch, factor), (path, env) in ((c, q) for c in cases for q in (paths[:1] if recipe == "bf16"
                                                                                  else paths)):

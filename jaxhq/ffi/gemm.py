@@ -210,6 +210,16 @@ def _dq_data(s: Storage):
     return s.data if s.decoded else _u8(s.data)
 
 
+def _kernel_for_decoded(a: Storage, b: Storage, kernel: str, name: str) -> str:
+    """`kernel` for a block-scaled pair: "dequantize" where an operand is decoded (its values are there already,
+    and the bf16 GEMM of the dequantize path reads them where they lie); the wgmma kernels read codes only."""
+    if not (a.decoded or b.decoded):
+        return kernel
+    if kernel == "wgmma":
+        raise GemmUnsupported(f"{name}: the wgmma kernel reads codes, not decoded copies")
+    return "dequantize"
+
+
 def _dq_scales(s: Storage):
     """An operand's scales as jaxhq_gemm_dq(_grouped) takes them: as the quantize launch wrote them
     (dispatch.launch_scales: MXFP8 ones [..., ceil(K/32), rows], the handlers' rows_inner), as bytes."""
@@ -346,10 +356,7 @@ def blockscaled_gemm(a: Storage, b: Storage, out_dtype=jnp.bfloat16, *, bias=Non
     if a.transposed or (b.transposed and not b.decoded):
         raise GemmUnsupported(f"{name}: A is a transposed copy, or B a transposed copy of codes (only a decoded B "
                               "is read transposed)")
-    if a.decoded or b.decoded:  # the values are there already: the bf16 GEMM of the dequantize path reads them
-        if kernel == "wgmma":
-            raise GemmUnsupported(f"{name}: the wgmma kernel reads codes, not decoded copies")
-        kernel = "dequantize"
+    kernel = _kernel_for_decoded(a, b, kernel, name)
     if fa == FMT_NVFP4 and a.quantizer.uses_rht(a.axis) != b.quantizer.uses_rht(b.axis):
         raise GemmUnsupported(f"{name}: the Hadamard transform is on one operand only")
     if _use_wgmma(fa, fb, n, k, kernel, name):
@@ -456,10 +463,7 @@ def grouped_gemm(a: Storage, bs, group_sizes, out_dtype=jnp.bfloat16, *, bias=No
         raise GemmUnsupported(f"{name}: no kernel for {a.format} {a.shape} x {b0.format} {b0.shape}")
     if a.transposed or b0.transposed:
         raise GemmUnsupported(f"{name}: transposed copies are read by the dense GEMM only")
-    if a.decoded or b0.decoded:  # the values are there already: the bf16 grouped GEMM reads them where they lie
-        if kernel == "wgmma":
-            raise GemmUnsupported(f"{name}: the wgmma kernel reads codes, not decoded copies")
-        kernel = "dequantize"
+    kernel = _kernel_for_decoded(a, b0, kernel, name)
     if fa == FMT_NVFP4:
         if a.quantizer.uses_rht(a.axis) != b0.quantizer.uses_rht(b0.axis) or k % 16:
             raise GemmUnsupported(f"{name}: NVFP4 needs K % 16 == 0 and the same Hadamard use on both sides")
