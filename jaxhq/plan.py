@@ -9,7 +9,7 @@ import jax
 
 from .formats import COLUMNWISE, ROWWISE, side
 from .formats.quantize import act_grad_path, copy_path
-from .ops.gemm import decoded_copies, shares_transposed_copy
+from .ops.gemm import decoded_copies, saved_decoded, shares_transposed_copy
 from .recipes import CustomRecipe, get
 from .roles import QuantizerRole
 
@@ -69,9 +69,12 @@ def plan(recipe, roles_or_model: Iterable[QuantizerRole] = (), *example_inputs) 
         q = rec.quantizer(role)
         # the dense op decodes the copies its GEMMs read at once: the forward's, and both of the gradient; the MoE
         # experts' (grouped_linear) copies likewise (the capacity dispatch runs the dense op per expert; the
-        # grouped one decodes the same copies, and for its wgrad along the tokens the input's columnwise one too)
-        now = (ROWWISE, COLUMNWISE) if role.tensor_type == "grad_output" else (ROWWISE,)
+        # grouped one decodes the same copies, and for its wgrad along the tokens the input's columnwise one too),
+        # and with saved_decoded the backward's copies of the input and the weight
         dense_op = role.module_type in ("linear", "grouped_linear")
+        now = (ROWWISE, COLUMNWISE) if role.tensor_type == "grad_output" else (ROWWISE,)
+        if dense_op and role.tensor_type != "grad_output":
+            now += saved_decoded(q, role.tensor_type, rec.quantizer(dataclasses.replace(role, tensor_type="weight")))
         decoded = decoded_copies(q, now) if dense_op else ()
 
         shared = dense_op and role.tensor_type == "weight" and shares_transposed_copy(q)

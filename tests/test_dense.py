@@ -193,39 +193,51 @@ def test_given_kernel_amax_equals_the_kernels_own(name, kernels, monkeypatch):
         jaxhq.dense(x, w, quantizers=qs, kernel_amax=jnp.ones((2,)))
 
 
+@pytest.mark.parametrize("saved", ["default", "0", "1"])
 @pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "hybrid:mxfp8:nvfp4", "mxfp8/nvfp4"])
-def test_decoded_copies_give_the_same_results_as_codes(name, monkeypatch):
+def test_decoded_copies_give_the_same_results_as_codes(name, saved, monkeypatch):
     """Where the block-scaled GEMMs dequantize their operands (Hopper; the CPU handlers under JAXHQ_KERNELS=all),
     the copies a GEMM reads at once (x's and w's rowwise, both of the gradient's) may be written decoded (bf16
     values) while the ones the backward keeps stay codes; y, dx, dw and db equal those of the codes bit for bit
     (JAXHQ_DECODED=0). Per-tensor and blockwise FP8 copies are never decoded. NVFP4 16x16 weights (the nvfp4
     recipe's) make only the decoded copy, which dgrad reads transposed (ops.gemm.shares_transposed_copy): the same
     values; on the CPU handlers the same sums, so dx is equal too; on a GPU cuBLASLt reads the other layout and may
-    sum in another order, so there dx is held to 2^-7 of its largest element (bf16 output: one rounding step)."""
-    from jaxhq.ops.gemm import decoded_copies, shares_transposed_copy
+    sum in another order, so there dx is held to 2^-7 of its largest element (bf16 output: one rounding step).
+    The backward's copies that the forward saves may be decoded too (ops.gemm.saved_decoded): by default x's,
+    unless the weight's saved copy is its decoded forward one; with JAXHQ_DECODED_RESIDUALS=1 x's and w's; with 0
+    neither. The same results every way."""
+    from jaxhq.ops.gemm import decoded_copies, saved_decoded, shares_transposed_copy
     monkeypatch.setenv("JAXHQ_KERNELS", "all")
+    if saved != "default":
+        monkeypatch.setenv("JAXHQ_DECODED_RESIDUALS", saved)
     both = (ROWWISE, COLUMNWISE)
     assert decoded_copies(MXFP8(), both) == both and decoded_copies(NVFP4(), both) == both
     assert decoded_copies(Hybrid(MXFP8(), Float8CurrentScaling()), both) == (ROWWISE,)
+    assert saved_decoded(MXFP8(), "input", MXFP8()) == (() if saved == "0" else (COLUMNWISE,))
+    assert saved_decoded(MXFP8(), "weight", MXFP8()) == ((COLUMNWISE,) if saved == "1" else ())
+    assert saved_decoded(NVFP4(), "input", NVFP4(block_2d=True)) == ((COLUMNWISE,) if saved == "1" else ())
+    assert saved_decoded(Hybrid(MXFP8(), Float8CurrentScaling()), "weight") == ()
     qs = CASES[name]
     x, w, b, g = rand(40, (M, K), jnp.bfloat16), rand(41, (K, N)) * 0.1, rand(42, (N,), jnp.bfloat16), \
         rand(43, (M, N), jnp.bfloat16)
     key, states = jax.random.PRNGKey(44), states_for(qs)
+    shared = shares_transposed_copy(qs.weight)
     launches = spy_launches(monkeypatch)
     decoded = run_dense(x, w, b, g, qs, key, states)
     asked = {(shape, which): bool(opts & P.OPT_DECODED) for shape, _, row, col in launches
              for which, (fmt, opts) in (("row", row), ("col", col)) if fmt}
     # x [M, K] and the gradient [M, N] launch as themselves, the kernel [K, N] from the other side (its rowwise
     # copy, w.T's rows, is the launch's columnwise one); a shared weight copy has no launch row side
-    shared = shares_transposed_copy(qs.weight)
     assert shared == (name == "nvfp4")
-    want = {((M, K), "row"): True, ((M, K), "col"): False, ((K, N), "col"): True, ((K, N), "row"): False,
+    kept = saved == "1"  # the backward's copies of x and w
+    kept_x = kept or (saved == "default" and not shared)
+    want = {((M, K), "row"): True, ((M, K), "col"): kept_x, ((K, N), "col"): True, ((K, N), "row"): kept,
             ((M, N), "row"): True, ((M, N), "col"): True}
     if shared:
         del want[((K, N), "row")]
     assert asked == want, asked
     monkeypatch.setenv("JAXHQ_DECODED", "0")
-    assert not shares_transposed_copy(qs.weight)
+    assert not shares_transposed_copy(qs.weight) and saved_decoded(qs.input, "input") == ()
     codes = run_dense(x, w, b, g, qs, key, states)
     for what, u, v in zip(("y", "dx", "dw", "db"), decoded, codes):
         u, v = np.asarray(u.astype(jnp.float32)), np.asarray(v.astype(jnp.float32))
@@ -238,22 +250,27 @@ def test_decoded_copies_give_the_same_results_as_codes(name, monkeypatch):
 @pytest.mark.parametrize("kernels", ["gpu", "all"])
 @pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "nvfp4", "fp8_block", "hybrid:mxfp8:nvfp4"])
 def test_residuals_hold_no_high_precision_copy(name, kernels, monkeypatch):
-    """The forward saves quantized copies only. The one saved bf16 array allowed is NVFP4 16x16 weights' decoded
-    copy where dgrad reads it transposed (Hopper, or the CPU handlers under JAXHQ_KERNELS=all): quantized values
-    (the columnwise copy's, bit for bit), not w."""
+    """The forward saves quantized copies only. The saved bf16 arrays allowed are decoded copies where the GEMMs
+    dequantize (Hopper, or the CPU handlers under JAXHQ_KERNELS=all): NVFP4 16x16 weights' decoded copy that dgrad
+    reads transposed, and x's columnwise copy that wgrad reads (ops.gemm.saved_decoded); quantized values (the
+    columnwise copies', bit for bit), not x or w."""
+    from jaxhq.ops.gemm import saved_decoded, shares_transposed_copy
     monkeypatch.setenv("JAXHQ_KERNELS", kernels)
     qs = recipes.get(name).dense_quantizers("m")
     x, w = rand(14, (M, K), jnp.bfloat16), rand(15, (K, N), jnp.bfloat16)
     _, res = _dense_fwd(x, w, None, {}, jax.random.PRNGKey(0), None, qs, None, None)
-    saved_w = res[1].columnwise
-    leaves = [a for a in jax.tree.leaves(res) if not (saved_w.decoded and a is saved_w.data)]
+    saved_x, saved_w = res[0].columnwise, res[1].columnwise
+    decoded = [s.data for s in (saved_x, saved_w) if s.decoded]
+    leaves = [a for a in jax.tree.leaves(res) if not any(a is d for d in decoded)]
     hp = [a for a in leaves if a.dtype in (jnp.bfloat16, jnp.float32) and a.size >= min(M * K, K * N)]
     assert not hp, [(a.dtype, a.shape) for a in hp]
-    from jaxhq.ops.gemm import shares_transposed_copy
     assert saved_w.transposed == saved_w.decoded == shares_transposed_copy(qs.weight)
-    if saved_w.transposed:
-        want = quantize(w.T, qs.weight, COLUMNWISE).columnwise
-        np.testing.assert_array_equal(np.asarray(saved_w.dequantize()), np.asarray(want.dequantize()))
+    assert saved_x.decoded == bool(saved_decoded(qs.input, "input", qs.weight))
+    assert saved_x.decoded == (kernels == "all" and name in ("mxfp8", "hybrid:mxfp8:nvfp4")), name
+    for s, t, q in ((saved_x, x, qs.input), (saved_w, w.T, qs.weight)):
+        if s.decoded:
+            want = quantize(t, q, COLUMNWISE, key=jax.random.PRNGKey(0)).columnwise
+            np.testing.assert_array_equal(np.asarray(s.dequantize()), np.asarray(want.dequantize()))
     saved = [a for a in leaves if a.ndim == 2]
     assert saved, "the columnwise copies must be saved"
 

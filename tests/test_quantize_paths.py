@@ -110,8 +110,14 @@ def test_plan_shows_the_path(kernels_everywhere):
     assert "path (row|col)" in text and "kernel+decoded|xla" in text
     expert = jaxhq.QuantizerRole("grouped_linear", "input", "moe.experts_0.fc1")  # an MoE expert's: the same
     assert "kernel+decoded|xla" in str(jaxhq.plan("hybrid:mxfp8:nvfp4", [expert]))
+    kernels_everywhere.setenv("JAXHQ_DECODED_RESIDUALS", "0")
+    assert "kernel+decoded|kernel" in str(jaxhq.plan("mxfp8", [role]))
+    kernels_everywhere.setenv("JAXHQ_DECODED_RESIDUALS", "1")  # the backward's copies saved decoded too
+    assert "kernel+decoded|kernel+decoded" in str(jaxhq.plan("mxfp8", [role]))
+    assert "kernel+decoded|kernel+decoded" in str(jaxhq.plan("mxfp8", [jaxhq.QuantizerRole("linear", "weight", "layers_0.fc1")]))
     kernels_everywhere.setenv("JAXHQ_DECODED", "0")
     assert "kernel|xla" in str(jaxhq.plan("hybrid:mxfp8:nvfp4", [role]))
+    assert "kernel|kernel" in str(jaxhq.plan("mxfp8", [role]))
 
 
 def test_plan_shows_a_weight_copy_read_transposed(kernels_everywhere):

@@ -12,7 +12,8 @@ and read again (`quantize(..., cast_to=x.dtype)`). The weight's gradient comes o
 and is returned in the kernel's.
 The forward saves only the columnwise copies (never x or w in high precision unless their slot is Identity);
 where the weight's columnwise copy is its decoded rowwise one read transposed (NVFP4 16x16 blocks on Hopper,
-`ops.gemm.shares_transposed_copy`), that is the copy saved.
+`ops.gemm.shares_transposed_copy`), that is the copy saved; where the backward's GEMMs dequantize, x's copy may
+be saved decoded (its quantized values in bf16, `ops.gemm.saved_decoded`).
 With `activation`, y = act(x @ w + b) and the backward's grad_output is the gradient of x @ w + b, quantized
 from the activation's input (kept from the forward) and dy (jaxhq.ops.activation).
 `kernel_amax`: max |kernel| when the caller knows it (the train step computes it with the optimizer update that
@@ -46,7 +47,7 @@ from ..formats.base import canonical_nan
 from ..recipes import DenseQuantizers
 from ..sharding.sequence import sequence_plan
 from . import activation as act_
-from .gemm import decoded_copies, gemm, shares_transposed_copy
+from .gemm import decoded_copies, gemm, saved_decoded, shares_transposed_copy
 
 SLOTS = ("input", "weight", "grad_output")
 
@@ -118,19 +119,25 @@ def _forward(x, kernel, bias, states, key, kernel_amax, qs: DenseQuantizers, usa
     x2d = sp.tokens(x) if gathered else x.reshape(-1, x.shape[-1])
     kx, kw, _ = _keys(key)
     # The copies the forward GEMM reads at once may be written decoded (ops.gemm.decoded_copies), unless they
-    # travel first (sharded weights, sequence parallelism: gathered as quantized bytes).
+    # travel first (sharded weights, sequence parallelism: gathered as quantized bytes); in the training forward,
+    # so may the backward's copies that it saves (ops.gemm.saved_decoded).
     now = (ROWWISE,) if wsh is None and sp is None else ()
+
+    def to_decode(slot):
+        saves = now and COLUMNWISE in usage_x
+        return now + (saved_decoded(getattr(qs, slot), slot, qs.weight) if saves else ())
     quantize_x = lambda usage, dec=(): _quantize(x2d, qs, "input", usage, kx, states.get("input"),  # noqa: E731
                                                  decoded=dec)
     # sequence parallel: each device quantizes its tokens, the copies are all-gathered as quantized bytes
-    qx = sp.quantize(quantize_x, qs.input, usage_x, gather_columnwise=False) if gathered else quantize_x(usage_x, now)
+    qx = sp.quantize(quantize_x, qs.input, usage_x, gather_columnwise=False) if gathered else \
+        quantize_x(usage_x, to_decode("input"))
     # Where the weight's two copies hold the same values (NVFP4 16x16 blocks), the dgrad GEMM reads the forward's
     # decoded copy transposed (ops.gemm.shares_transposed_copy): one copy is made, not two.
     share = COLUMNWISE in usage_w and bool(now) and shares_transposed_copy(qs.weight)
     w_amax = _weight_amax(kernel_amax, qs.weight, x.dtype)
     quantize_w = lambda usage, dec: _quantize(kernel, qs, "weight", usage, kw, states.get("weight"),  # noqa: E731
                                               transposed=True, cast_to=x.dtype, decoded=dec, amax=w_amax)
-    qw = quantize_w((ROWWISE,) if share else usage_w, now)
+    qw = quantize_w((ROWWISE,), now) if share else quantize_w(usage_w, to_decode("weight"))
     if share:  # (a copy that came back as codes, e.g. on the xla path, cannot be read transposed)
         col = qw.rowwise.transpose_of() if qw.rowwise.decoded else quantize_w((COLUMNWISE,), ()).columnwise
         qw = dataclasses.replace(qw, columnwise=col)

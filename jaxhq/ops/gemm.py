@@ -106,6 +106,12 @@ def fast_accum_gemms() -> tuple:
 # 1.031x -> 1.010x bf16 (quick preset 1.226x -> 1.156x); nvfp4 1.102x -> 1.071x (quick 1.504x -> 1.437x) once its
 # decoded elements came from the rounding itself (decoding the codes, it gained nothing: 1.112x both ways).
 DECODED_FAMILIES = ("mxfp8", "nvfp4")
+# The dense op's saved copies written decoded by default (saved_decoded), chosen by the H100 preset's step (H200,
+# 2026-11-29, two rounds, step and peak memory vs bf16 for none / input / weight / both): mxfp8 0.985 / 0.964 / 0.970
+# / 0.955 with memory 0.962 / 0.994 / 1.011 / 1.038; hybrid:mxfp8:nvfp4 1.049 / 1.038 / 1.041 / 1.027 with 0.928 /
+# 0.980 / 0.996 / 1.041. The input's: the most time within bf16's memory. nvfp4, whose weights already save their
+# decoded copy: 1.046 / 1.031 with memory 0.996 / 1.041 for none / input, so it keeps the input's codes.
+SAVED_DECODED = ("input",)
 
 
 def decoded_copies(quantizer, usage) -> tuple:
@@ -128,6 +134,23 @@ def decoded_copies(quantizer, usage) -> tuple:
         if os.environ.get(var) == "wgmma":  # that kernel reads codes
             fams = tuple(f for f in fams if f != fam)
     return tuple(a for a in usage if side(quantizer, a).name in fams)
+
+
+def saved_decoded(quantizer, slot: str, weight=None) -> tuple:
+    """The backward's copy (COLUMNWISE, or nothing) of the dense op's `slot` ("input": wgrad's operand, "weight":
+    dgrad's) that its forward writes decoded and saves, so that the backward GEMM reads it without a dequantize
+    pass, at the price of a bf16 residual (the size of bf16's own) instead of codes; for the families whose GEMMs
+    dequantize (decoded_copies). By default (SAVED_DECODED) the input's, unless the op's `weight` quantizer
+    already saves a bf16 copy (shares_transposed_copy): one such residual per op, as bf16's step keeps x.
+    JAXHQ_DECODED_RESIDUALS names the slots instead ("input,weight", "input", "weight"; "0": none, "1": both)."""
+    spec = os.environ.get("JAXHQ_DECODED_RESIDUALS")
+    if spec is None:
+        slots = SAVED_DECODED if weight is None or not shares_transposed_copy(weight) else ()
+    else:
+        slots = {"0": (), "1": ("input", "weight")}.get(spec, tuple(t.strip() for t in spec.split(",") if t.strip()))
+    if any(t not in ("input", "weight") for t in slots):
+        raise ValueError(f"JAXHQ_DECODED_RESIDUALS must be 0, 1 or slots among input,weight, got {spec!r}")
+    return decoded_copies(quantizer, (COLUMNWISE,)) if slot in slots else ()
 
 
 def shares_transposed_copy(quantizer) -> bool:
