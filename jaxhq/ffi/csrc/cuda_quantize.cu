@@ -31,6 +31,7 @@ struct Smem {
   uint32_t bamax[2][kTile / 16 * kChunks];  // NVFP4 16x16 blocks: [side][copy_row / 16 * 8 + chunk], |v| bits
   float tamax[2];
   unsigned xamax[kThreads / 32];  // per-warp max |x| (the amax output)
+  TileOut out[2];  // [side] (tile_out)
 };
 
 // 8 consecutive elements of x (row r, columns c..c+7 of the tile) as raw bytes, zero outside x; one 16-byte
@@ -170,11 +171,19 @@ __device__ __forceinline__ bool both_2d_nvfp4(const Params& p) {
   return is_2d(p.side[0]) && is_2d(p.side[1]);
 }
 
-// Round `it` of this thread: its copy row `cr` in the tile and its chunk `ch` along that row (see the top).
+// Round `it` of this thread: its copy row `cr` in the tile and its chunk `ch` along that row (see the top). Thread q
+// of round it is thread q + 256 it of a flat numbering whose 32-thread groups g take rows 8 (g & 15) .. + 7 and
+// chunks 4 (g >> 4) .. + 3, so a thread's four chunks are rows cr_t and cr_t + 64 (it & 1) by chunks ch_t and
+// ch_t + 4 (it >> 1), with cr_t = 8 warp + (lane & 7), ch_t = lane >> 3 (chunk_origin).
+__device__ __forceinline__ void chunk_origin(int& cr_t, int& ch_t) {
+  const int w = int(threadIdx.x) >> 5, l = int(threadIdx.x) & 31;
+  cr_t = 8 * w + (l & 7);
+  ch_t = l >> 3;
+}
 __device__ __forceinline__ void chunk_of(int it, int& cr, int& ch) {
-  const int q = it * kThreads + int(threadIdx.x), g = q >> 5, l = q & 31;
-  cr = 8 * (g & 15) + (l & 7);
-  ch = 4 * (g >> 4) + (l >> 3);
+  chunk_origin(cr, ch);
+  cr += 64 * (it & 1);
+  ch += 4 * (it >> 1);
 }
 
 // Phase A of side s: chunk amaxes for the formats whose blocks span several chunks (a 1x16 NVFP4
@@ -207,7 +216,37 @@ __device__ __forceinline__ void chunk_amaxes(const Params& p, Smem<T>& sm, int s
   }
 }
 
-// Phase B of side s: each chunk's block amax, then encode and store.
+// Side s's TileOut for the CTA's tile (r0, c0) of batch element b.
+template <bool kSR, bool kDec>
+__device__ __forceinline__ void tile_out(const Params& p, TileOut& o, int s, int64_t b, int64_t r0, int64_t c0) {
+  const SideParams& sp = p.side[s];
+  const int64_t cr0 = s == 0 ? r0 : c0, cc0 = s == 0 ? c0 : r0;  // the tile's origin in the copy
+  const auto in_tile = [](int64_t n) { return n < kTile ? int(n) : kTile; };
+  o.rows_in = in_tile(sp.R - cr0), o.cols_in = in_tile(sp.C - cc0);
+  // NVFP4: codes pack two columns a byte; decoded copies hold bfloat16 values (a row's bytes a multiple of the
+  // chunk's: every chunk's vector stores aligned, the data's base being 16-byte aligned)
+  const bool dec_side = kDec && (sp.opts & kDecoded);
+  o.drow = dec_side ? 2 * sp.C : (sp.C + 1) / 2, o.srow = (sp.C + 15) / 16;
+  o.cbytes = dec_side ? 32 : 8;
+  o.aligned = dec_side ? sp.C % 16 == 0 : o.drow % 8 == 0;
+  o.data = sp.data + b * sp.dbytes + cr0 * o.drow + cc0 / 16 * o.cbytes;
+  o.scale = sp.scale + b * sp.sbytes + cr0 * o.srow + cc0 / 16;  // a 1x16 block per 16 columns
+  if (kSR) {  // the seed is given to the stochastic instantiations
+    const uint32_t* seed = p.seed + kSeedWords * b;
+    const SrIndex si = sr_index(seed, s);
+    const uint32_t roff = uint32_t(si.roff), coff = uint32_t(si.coff), cols = uint32_t(si.cols);
+    o.q = sr_pair(uint64_t(cr0) + roff, uint64_t(cc0) + coff, cols);
+    o.hc = uint32_t((uint64_t(cols) + 1) / 2);  // sr_pair's pairs per row
+    o.odd = uint32_t((uint64_t(cc0) + coff) & 1);
+    o.s0 = seed[0], o.s1 = seed[1];
+    o.roff = roff, o.coff = coff, o.cols = cols;
+  }
+}
+
+// Phase B of side s: each chunk's block amax, then encode and store. A chunk's position is kept as its offsets in
+// the tile (32-bit), and what it needs of the tile's position is read from shared memory (TileOut), so a chunk
+// takes no more 64-bit index arithmetic than two multiply-adds for its NVFP4 addresses (the SASS formed both
+// addresses and the bounds checks from the block and batch indices per chunk, about 25 instructions).
 template <typename T, bool kSR, bool kDec, int kF>
 __device__ __forceinline__ void encode_tile_side(const Params& p, const Smem<T>& sm, int s, int64_t b, int64_t r0,
                                                  int64_t c0, float ts) {
@@ -215,22 +254,27 @@ __device__ __forceinline__ void encode_tile_side(const Params& p, const Smem<T>&
   if (sp.fmt == kNone) return;
   const int fmt = kF == kAnyFormat ? sp.fmt : kF;
   const int64_t cr0 = s == 0 ? r0 : c0, cc0 = s == 0 ? c0 : r0;  // this tile's origin in the copy
-  SrStream srs(p.seed + kSeedWords * b, s);  // read only by the stochastic instantiation
+  int cr_t, ch_t;
+  chunk_origin(cr_t, ch_t);
+  const volatile TileOut& to = sm.out[s];
+  SrStream srs(&to, s);  // read only by the stochastic instantiation
   const bool sums = rht_sums_only<T>(sp, ts);
   const float vscale = sums ? 0.25f : 1.0f;  // what the values read still lack
   for (int it = 0; it < kTile * kChunks / kThreads; ++it) {
-    int cr, ch;
-    chunk_of(it, cr, ch);
-    const int64_t gr = cr0 + cr, gc = cc0 + ch * 16;
-    if (gr >= sp.R || gc >= sp.C) continue;
-    // a rowwise NVFP4 1x16 chunk of a 16-bit tile takes its values and amax together (read_row_chunk_amax)
-    const bool row_pairs = one_chunk_blocks(sp) && reads_row_pairs<T>(sp, s);
+    const int cr = cr_t + 64 * (it & 1), ch = ch_t + 4 * (it >> 1);  // chunk_of
+    const int valid = to.cols_in - 16 * ch;  // the chunk's columns inside the copy
+    if (cr >= to.rows_in || valid <= 0) continue;
+    // the side's options, tested on `fmt` (known to the NVFP4-only instantiation); a rowwise NVFP4 1x16 chunk of a
+    // 16-bit tile takes its values and amax together (read_row_chunk_amax: one_chunk_blocks and reads_row_pairs)
+    const int opts = sp.opts;
+    const bool rht = fmt == kNvfp4 && (opts & kRHT), two_d = fmt == kNvfp4 && (opts & kBlock2D);
+    const bool row_pairs = fmt == kNvfp4 && sizeof(T) == 2 && s == 0 && !(opts & (kBlock2D | kRHT));
     float v[16];
     float a = 0.0f;  // the chunk's block amax (per-tensor FP8 has none)
     if (row_pairs) a = read_row_chunk_amax(sm.tile, cr, ch, v);
-    else read_chunk(sm.tile, s, cr, ch, fmt == kNvfp4 && (sp.opts & kRHT), v, sums);
+    else read_chunk(sm.tile, s, cr, ch, rht, v, sums);
     const float* ca = sm.camax[s];
-    if (fmt == kNvfp4 && (sp.opts & kBlock2D)) {
+    if (two_d) {
       a = u2f(sm.bamax[s][(cr / 16) * kChunks + ch]);
     } else if (fmt == kNvfp4) {
       if (!row_pairs) a = bits_amax(v) * vscale;
@@ -242,14 +286,15 @@ __device__ __forceinline__ void encode_tile_side(const Params& p, const Smem<T>&
     } else if (fmt == kFp8Block2) {
       a = sm.tamax[s];
     }
-    encode_chunk<16, T, kF, kSR, kDec>(p, s, b, gr, gc, a, ts, v, &srs, vscale);
+    const ChunkAt at{b, cr0 + cr, cc0 + 16 * ch, valid, &to, uint32_t(cr), uint32_t(ch)};
+    encode_chunk<16, T, kF, kSR, kDec>(p, s, at, a, ts, v, &srs, vscale);
   }
 }
 
 // kSR: a side rounds stochastically (its own instantiation, see nvfp4_elements); kDec: a side is decoded
 // (likewise: that path's registers and code would cost the others). Five CTAs per SM (the shared memory allows five for
 // 16-bit inputs): 48 registers, no spills; four for the stochastic and decoded one (64 registers, no spills; at 48
-// it spilled 88 bytes; its NVFP4-only 16-bit instantiations spill 12 bytes, and measured faster all the same).
+// it spilled 88 bytes).
 template <typename In, typename T, bool kSR, bool kDec, int kF>
 __global__ void __launch_bounds__(kThreads, kSR && kDec ? 4 : 5) quantize_tile_kernel(Params p) {
   Smem<T>& sm = *dynamic_smem<Smem<T>>();
@@ -289,6 +334,7 @@ __global__ void __launch_bounds__(kThreads, kSR && kDec ? 4 : 5) quantize_tile_k
     }
   }
   if (p.amax) cta_amax_finish(sm.xamax, kThreads / 32, p.amax + b);
+  if (threadIdx.x < 2) tile_out<kSR, kDec>(p, sm.out[threadIdx.x], threadIdx.x, b, r0, c0);
   if (threadIdx.x >= kThreads / 2) {
     const int s = (threadIdx.x - kThreads / 2) / 64, j = threadIdx.x % 64, rb = j / kChunks, ch = j % kChunks;
     if (p.side[s].fmt == kNvfp4 && (p.side[s].opts & kBlock2D)) {

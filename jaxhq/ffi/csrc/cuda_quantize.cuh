@@ -56,12 +56,65 @@ template <typename T> __device__ constexpr int dtype_id() { return kF32; }
 template <> __device__ constexpr int dtype_id<__nv_bfloat16>() { return kBF16; }
 template <> __device__ constexpr int dtype_id<__half>() { return kF16; }
 
+// p points to global memory: where the compiler cannot see it (a pointer read from shared memory), its stores are
+// then global stores instead of generic ones.
+__device__ __forceinline__ void assume_global(const void* p) {
+#if defined(__CUDA_ARCH__)
+  __builtin_assume(__isGlobal(p));
+#endif
+}
+
+// What the tile kernel's chunks of one copy take from their tile's position, written by one thread per side before
+// the encode phase (tile_out) and read from shared memory where a chunk uses it: the compiler otherwise formed each
+// chunk's addresses from the block and batch indices, a 64-bit product at a time, or kept such values in registers
+// that the encode needs (spilling them). The tile's copy rows and columns inside the copy (at least 1: the grid
+// covers the copy and no more); NVFP4: the copy's first data and scale bytes of the tile, a copy row's data and
+// scale bytes, a chunk's data bytes and whether the chunks' vector stores are aligned (store_words); stochastic
+// rounding: the pair index (sr_pair) of the tile's first element, the pairs per copy row, whether the tile starts on
+// an odd global column, and the seed words and sr_index's fields (SrStream).
+struct TileOut {
+  uint8_t* data;
+  uint8_t* scale;
+  int64_t drow, srow;
+  uint64_t q;
+  uint32_t hc, odd;
+  uint32_t s0, s1, roff, coff, cols;
+  int rows_in, cols_in;
+  uint32_t cbytes;
+  bool aligned;
+};
+
+// Where a chunk of N values goes: copy row gr from column gc of the copy (of batch element b), of which `valid`
+// columns lie inside the copy (N or more: all). An NVFP4 chunk starts a block (N = 16) and lies at row cr and chunk
+// ch of the tile `tile` describes; its addresses are formed where the stores are, so they take no registers before.
+// The other formats form their addresses from gr and gc.
+struct ChunkAt {
+  int64_t b, gr, gc;
+  int valid;
+  const volatile TileOut* tile;
+  uint32_t cr, ch;
+  __device__ __forceinline__ uint8_t* data() const {
+    uint8_t* d = tile->data + (uint64_t(cr) * tile->drow + ch * tile->cbytes);
+    assume_global(d);
+    return d;
+  }
+  __device__ __forceinline__ uint8_t* scale() const {
+    uint8_t* d = tile->scale + (uint64_t(cr) * tile->srow + ch);
+    assume_global(d);
+    return d;
+  }
+  __device__ __forceinline__ bool aligned() const { return tile->aligned; }
+  // sr_pair of the chunk's first element: (gr + roff) * hc + (gc + coff) / 2, with gr = cr0 + cr and gc = cc0 + 16 ch
+  __device__ __forceinline__ uint64_t sr_pair() const { return tile->q + uint64_t(cr) * tile->hc + 8 * ch; }
+};
+
 // The E2M1 elements of N values (N even) of copy row gr from column gc: v * enc clipped to +-6, rounded to nearest
 // even or, with `sr`, stochastically by global position (numerics.h sr_bits: a hash per two columns). The clip is
 // implicit: the rounding functions saturate and pass NaN as the clip does. `finite`: every v * enc is finite, so
 // the shorter forms apply. The choices are made once per chunk (each path is its own unrolled loop). An element is
 // its code (E: Codes) or its value (E: Values, for decoded copies: numerics.h e2m1_round*, equal to the code's
-// value); columns at or past C give 0. `put(i, e0, e1)` takes elements 2i and 2i + 1.
+// value); the columns from `valid` on (those at or past the copy's C) give 0. `put(i, e0, e1)` takes elements 2i
+// and 2i + 1.
 struct Codes {
   using T = uint32_t;
   JHQ_HD static T nearest(float y) { return e2m1_code(y); }
@@ -76,7 +129,7 @@ struct Values {
 };
 
 template <int N, typename E, typename Elem, typename Put>
-__device__ __forceinline__ void e2m1_pack(const float (&v)[N], float enc, int64_t valid, Elem elem_of, Put put) {
+__device__ __forceinline__ void e2m1_pack(const float (&v)[N], float enc, int valid, Elem elem_of, Put put) {
   using T = typename E::T;
   auto pack = [&](auto masked) {
 #pragma unroll
@@ -98,7 +151,7 @@ __device__ __forceinline__ void e2m1_pack(const float (&v)[N], float enc, int64_
 // 2i + 1: the high half), N / 2 + 1 when odd (element 2i: the high half of pair q0 + i, 2i + 1: the low half of
 // q0 + i + 1).
 template <int N, typename E, bool kFinite, typename Put>
-__device__ __forceinline__ void e2m1_pack_sr(const float (&v)[N], float enc, int64_t valid, uint32_t key,
+__device__ __forceinline__ void e2m1_pack_sr(const float (&v)[N], float enc, int valid, uint32_t key,
                                              uint32_t q0, bool odd, Put put) {
   using T = typename E::T;
   auto pack = [&](auto masked, auto odd_start) {
@@ -132,21 +185,19 @@ __device__ __forceinline__ void e2m1_pack_sr(const float (&v)[N], float enc, int
   }
 }
 
-// A copy's stochastic-rounding numbers as one thread walks its chunks of that copy: the seed words, read once
-// instead of per chunk, and the last key made (sr_key of the pair index's high word, which a thread's chunks
-// rarely cross), so a chunk costs its N / 2 hashes and no more.
+// A copy's stochastic-rounding numbers as one thread walks its chunks of that copy: the seed words and the copy's
+// offsets (TileOut, read when used), and the last key made (sr_key of the pair index's high word, which a thread's
+// chunks rarely cross), so a chunk costs its N / 2 hashes and no more.
 struct SrStream {
-  uint32_t s0, s1, roff, coff, cols, hi, key;  // sr_index's fields (seed words: 32 bits each)
+  const volatile TileOut* t;
+  uint32_t hi, key;
   int side;
   bool keyed;
-  __device__ __forceinline__ SrStream(const uint32_t* seed, int s) : hi(0u), key(0u), side(s), keyed(false) {
-    const SrIndex si = sr_index(seed, s);
-    s0 = seed[0], s1 = seed[1];
-    roff = uint32_t(si.roff), coff = uint32_t(si.coff), cols = uint32_t(si.cols);
-  }
+  __device__ __forceinline__ SrStream(const volatile TileOut* tile, int s)
+      : t(tile), hi(0u), key(0u), side(s), keyed(false) {}
   __device__ __forceinline__ uint32_t key_of(uint32_t h) {
     if (!keyed || h != hi) {
-      key = sr_key(s0, s1, uint32_t(side), h);
+      key = sr_key(t->s0, t->s1, uint32_t(side), h);
       hi = h;
       keyed = true;
     }
@@ -155,20 +206,22 @@ struct SrStream {
 };
 
 // kMaySR: the kernel takes stochastic copies (a separate instantiation: the stochastic path's registers would
-// cost the others occupancy); `srs`: this side's stream (used when `sr`).
+// cost the others occupancy); `srs`: this side's stream (used when `sr`). The chunk is `at`'s (ChunkAt).
 template <int N, bool kMaySR, typename E, typename Put>
 __device__ __forceinline__ void nvfp4_elements(const float (&v)[N], float enc, bool sr, bool finite, SrStream* srs,
-                                               int64_t gr, int64_t gc, int64_t C, Put put) {
-  const int64_t valid = C - gc;  // columns of this chunk inside the copy
+                                               const ChunkAt& at, Put put) {
+  const int valid = at.valid;
   if (kMaySR && sr) {
-    const uint64_t row = uint64_t(gr) + srs->roff, col = uint64_t(gc) + srs->coff;
-    const uint64_t q0 = sr_pair(row, col, srs->cols);
+    const uint64_t q0 = at.sr_pair();
     if (uint32_t(q0) <= 0xFFFFFFFFu - N) {  // the chunk's pairs share their high word: one key
       const uint32_t key = srs->key_of(uint32_t(q0 >> 32));
-      if (finite) e2m1_pack_sr<N, E, true>(v, enc, valid, key, uint32_t(q0), col & 1, put);
-      else e2m1_pack_sr<N, E, false>(v, enc, valid, key, uint32_t(q0), col & 1, put);
-    } else {
-      const uint32_t s0 = srs->s0, s1 = srs->s1, side = uint32_t(srs->side), cols = srs->cols;
+      const bool odd = srs->t->odd;
+      if (finite) e2m1_pack_sr<N, E, true>(v, enc, valid, key, uint32_t(q0), odd, put);
+      else e2m1_pack_sr<N, E, false>(v, enc, valid, key, uint32_t(q0), odd, put);
+    } else {  // each element its own key (sr_bits), at its global position
+      const volatile TileOut& t = *srs->t;
+      const uint64_t row = uint64_t(at.gr) + t.roff, col = uint64_t(at.gc) + t.coff;
+      const uint32_t s0 = t.s0, s1 = t.s1, side = uint32_t(srs->side), cols = t.cols;
       e2m1_pack<N, E>(v, enc, valid, [&](float q, int e) {
         return E::template sr<false>(q, sr_bits(s0, s1, side, row, col + uint64_t(e), cols));
       }, put);
@@ -183,9 +236,10 @@ __device__ __forceinline__ void nvfp4_elements(const float (&v)[N], float enc, b
 // NB (4, 8, 16 or 32) output bytes, given as NB / 4 little-endian 32-bit words, at dst: vector stores when all NB
 // lie in the row and `aligned`, else the first `valid` bytes one by one. The words go to the vector stores as they
 // are: staging them in a byte array made the compiler split every word into bytes and put it back together
-// (about 60 instructions per 16-element decoded chunk, in the SASS of sm_90a).
-template <int NB>
-__device__ __forceinline__ void store_words(uint8_t* dst, const uint32_t (&w)[NB / 4], int64_t valid, bool aligned) {
+// (about 60 instructions per 16-element decoded chunk, in the SASS of sm_90a). Int: valid's type (the tile
+// kernel's NVFP4 chunks give a 32-bit count, so its compares are 32-bit).
+template <int NB, typename Int>
+__device__ __forceinline__ void store_words(uint8_t* dst, const uint32_t (&w)[NB / 4], Int valid, bool aligned) {
   if (valid >= NB && aligned) {
     if constexpr (NB == 4) {
       *reinterpret_cast<uint32_t*>(dst) = w[0];
@@ -201,14 +255,6 @@ __device__ __forceinline__ void store_words(uint8_t* dst, const uint32_t (&w)[NB
     memcpy(out, w, NB);
     for (int i = 0; i < NB && i < valid; ++i) dst[i] = out[i];
   }
-}
-
-// A decoded copy's (kDecoded) N values of copy row gr from column gc, as bfloat16 (2N bytes), from their N / 2
-// value pairs.
-template <int N>
-__device__ __forceinline__ void store_decoded(const SideParams& sp, int64_t b, int64_t gr, int64_t gc,
-                                              const uint32_t (&pairs)[N / 2]) {
-  store_words<2 * N>(sp.data + b * sp.dbytes + 2 * (gr * sp.C + gc), pairs, 2 * (sp.C - gc), sp.C % N == 0);
 }
 
 // MXFP8's E8M0 scale byte of a block from its amax (x's dtype T: the quotient is rounded to it first, as the
@@ -266,47 +312,45 @@ __device__ __forceinline__ void write_scale_inv(const Params& p, int64_t b, cons
       *reinterpret_cast<float*>(p.side[s].scale + b * p.side[s].sbytes) = scale_inv_of(ts[s]);
 }
 
-// Side s's copy: N values (16 or 8) of copy row gr from column gc, their block's amax given (block formats) and
-// the copy's scalar (copy_scalar), encoded and stored; the chunk that starts a block also writes the block's
-// scale. Both kernels call this, so the numerics (numerics.h, as the CPU handlers) and the layouts are written
-// once. F: the side's format when the caller fixes it at compile time (only that format's code is emitted), or
-// kAnyFormat to read it from the parameters; kMaySR: NVFP4 copies may round stochastically (nvfp4_elements).
+// Side s's copy: N values (16 or 8) at `at`, their block's amax given (block formats) and the copy's scalar
+// (copy_scalar), encoded and stored; the chunk that starts a block also writes the block's scale. Both kernels call
+// this, so the numerics (numerics.h, as the CPU handlers) and the layouts are written once. F: the side's format
+// when the caller fixes it at compile time (only that format's code is emitted), or kAnyFormat to read it from the
+// parameters; kMaySR: NVFP4 copies may round stochastically (nvfp4_elements).
 constexpr int kAnyFormat = -1;
 // NVFP4 only: v may hold the values times 1 / vscale (a power of 2: the Hadamard sums before their factor 1/4),
 // which joins the encode multiplier instead (the caller makes sure that vscale * v and vscale * enc are exact).
 template <int N, typename T, int F = kAnyFormat, bool kMaySR = false, bool kMayDecode = false>
-__device__ __forceinline__ void encode_chunk(const Params& p, int s, int64_t b, int64_t gr, int64_t gc, float amax,
-                                             float tscale, const float (&v)[N], SrStream* srs = nullptr,
-                                             float vscale = 1.0f) {
+__device__ __forceinline__ void encode_chunk(const Params& p, int s, const ChunkAt& at, float amax, float tscale,
+                                             const float (&v)[N], SrStream* srs = nullptr, float vscale = 1.0f) {
   const SideParams& sp = p.side[s];
   const int fmt = F == kAnyFormat ? sp.fmt : F;
-  const int64_t C = sp.C;
-  uint8_t* data = sp.data + b * sp.dbytes;
+  const int64_t C = sp.C, b = at.b, gr = at.gr, gc = at.gc;
   uint8_t* scale = sp.scale + b * sp.sbytes;
   if (fmt == kNvfp4) {
+    static_assert(N == 16 || F != kNvfp4, "NVFP4 chunks are whole 1x16 blocks");
     const uint8_t sbyte = nvfp4_scale_byte(amax, tscale);  // the scale's E4M3 byte; dec is its value
     const float dec = e4m3_value(sbyte);
-    if (gc % 16 == 0) scale[gr * ((C + 15) / 16) + gc / 16] = sbyte;
+    *at.scale() = sbyte;
     const float enc = nvfp4_encode_mult(dec, tscale);
     // |v| <= amax, so amax * enc finite (not NaN) bounds every v * enc
     const bool sr = sp.opts & kStochastic, finite = amax * enc <= 3.4e38f;
     const float mult = vscale * enc;  // (v * vscale) * enc, the same float: both products exact
     if (kMayDecode && (sp.opts & kDecoded)) {  // the values (times the block's scale) instead of the codes
       uint32_t pairs[N / 2];
-      nvfp4_elements<N, kMaySR, Values>(v, mult, sr, finite, srs, gr, gc, C, [&](int i, float a, float c) {
+      nvfp4_elements<N, kMaySR, Values>(v, mult, sr, finite, srs, at, [&](int i, float a, float c) {
         pairs[i] = bf16x2_e2m1_times(a, c, dec);
       });
-      store_decoded<N>(sp, b, gr, gc, pairs);
+      store_words<2 * N>(at.data(), pairs, 2 * at.valid, at.aligned());  // bfloat16: 2N bytes
       return;
     }
     // element pair i is byte i, the low nibble the even element; codes are 0..15, so the nibbles are added (a
     // shift and an addition each: one LEA) instead of shifted and ORed
     uint32_t words[N / 8] = {};
-    nvfp4_elements<N, kMaySR, Codes>(v, mult, sr, finite, srs, gr, gc, C, [&](int i, uint32_t c0, uint32_t c1) {
+    nvfp4_elements<N, kMaySR, Codes>(v, mult, sr, finite, srs, at, [&](int i, uint32_t c0, uint32_t c1) {
       words[i / 4] += (c0 + (c1 << 4)) << (8 * (i % 4));
     });
-    const int64_t pc = (C + 1) / 2;
-    store_words<N / 2>(data + gr * pc + gc / 2, words, (C - gc + 1) / 2, pc % (N / 2) == 0);
+    store_words<N / 2>(at.data(), words, (at.valid + 1) / 2, at.aligned());
     return;
   }
   float mult;
