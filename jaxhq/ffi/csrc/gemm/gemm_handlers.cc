@@ -719,24 +719,6 @@ ffi::Error check_dq(const ffi::AnyBuffer& x, const ffi::AnyBuffer& s, int64_t gr
 // would write) is used where it lies.
 bool decoded(const ffi::AnyBuffer& x) { return x.element_type() == ffi::DataType::BF16; }
 
-// kn: the operand is a decoded copy stored [K, rows] (read transposed); rows_inner: dequant_ptr's.
-ffi::Error dequant(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuffer& x, const ffi::AnyBuffer& s,
-                   int32_t fmt, int64_t k, const char* which, void** out, int64_t* rows, bool kn, bool rows_inner) {
-  auto d = x.dimensions();
-  if (d.size() != 2) return invalid(std::string(which) + " data must be 2D, got " + dims(x));
-  *rows = d[kn ? 1 : 0];
-  if (kn && !decoded(x)) return invalid(std::string(which) + " is read transposed, which needs a decoded (bf16) copy");
-  if (decoded(x)) {
-    if (d[kn ? 0 : 1] != k)
-      return invalid(std::string(which) + " is decoded " + dims(x) + (kn ? " ([K, N])" : "") + ", K = " + std::to_string(k));
-    *out = const_cast<void*>(x.untyped_data());
-    return ffi::Error::Success();
-  }
-  if (auto e = check_dq(x, s, 1, d[0], fmt, k, which); e.failure()) return e;
-  return dequant_ptr(stream, scratch, static_cast<const uint8_t*>(x.untyped_data()),
-                     static_cast<const uint8_t*>(s.untyped_data()), d[0], fmt, k, out, rows_inner);
-}
-
 // `groups` stacked operands [rows, K] of the grouped dequantize path as bf16: a decoded copy where it lies, codes
 // dequantized into scratch.
 ffi::Error dequant_stacked(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuffer& x, const ffi::AnyBuffer& s,
@@ -752,6 +734,20 @@ ffi::Error dequant_stacked(cudaStream_t stream, Scratch& scratch, const ffi::Any
   if (auto e = check_dq(x, s, groups, rows, fmt, k, which); e.failure()) return e;
   return dequant_ptr(stream, scratch, static_cast<const uint8_t*>(x.untyped_data()),
                      static_cast<const uint8_t*>(s.untyped_data()), groups * rows, fmt, k, out, rows_inner, groups);
+}
+
+// One operand [rows, K] as bf16 (dequant_stacked's one group), or a decoded copy stored [K, rows] (kn: read
+// transposed, where it lies); rows_inner: dequant_ptr's.
+ffi::Error dequant(cudaStream_t stream, Scratch& scratch, const ffi::AnyBuffer& x, const ffi::AnyBuffer& s,
+                   int32_t fmt, int64_t k, const char* which, void** out, int64_t* rows, bool kn, bool rows_inner) {
+  auto d = x.dimensions();
+  if (d.size() != 2) return invalid(std::string(which) + " data must be 2D, got " + dims(x));
+  *rows = d[kn ? 1 : 0];
+  if (!kn) return dequant_stacked(stream, scratch, x, s, 1, d[0], fmt, k, rows_inner, which, out);
+  if (!decoded(x)) return invalid(std::string(which) + " is read transposed, which needs a decoded (bf16) copy");
+  if (d[0] != k) return invalid(std::string(which) + " is decoded " + dims(x) + " ([K, N]), K = " + std::to_string(k));
+  *out = const_cast<void*>(x.untyped_data());
+  return ffi::Error::Success();
 }
 
 int compute_major() {  // of the current device (0 when it cannot be read)
