@@ -266,7 +266,8 @@ def test_residuals_hold_no_high_precision_copy(name, kernels, monkeypatch):
     assert not hp, [(a.dtype, a.shape) for a in hp]
     assert saved_w.transposed == saved_w.decoded == shares_transposed_copy(qs.weight)
     assert saved_x.decoded == bool(saved_decoded(qs.input, "input", qs.weight))
-    assert saved_x.decoded == (kernels == "all" and name in ("mxfp8", "hybrid:mxfp8:nvfp4")), name
+    if jax.default_backend() == "cpu":  # (a Hopper's GEMMs dequantize whatever JAXHQ_KERNELS says)
+        assert saved_x.decoded == (kernels == "all" and name in ("mxfp8", "hybrid:mxfp8:nvfp4")), name
     for s, t, q in ((saved_x, x, qs.input), (saved_w, w.T, qs.weight)):
         if s.decoded:
             want = quantize(t, q, COLUMNWISE, key=jax.random.PRNGKey(0)).columnwise
