@@ -102,19 +102,22 @@ def test_amax_path(kernels_everywhere, q, dtype):
 
 
 def test_plan_shows_the_path(kernels_everywhere):
-    """The path of each copy, and which kernel-made copies are decoded (the forward's rowwise one here: the CPU
-    handlers dequantize, as Hopper's GEMMs do)."""
+    """The path of each copy, and which kernel-made copies are decoded (the forward's rowwise one, and by default
+    the input's saved columnwise one: the CPU handlers dequantize, as Hopper's GEMMs do)."""
     kernels_everywhere.setenv("JAXHQ_QUANTIZE_PATH", "nvfp4=xla")
     role = jaxhq.QuantizerRole("linear", "input", "layers_0.fc1")
     text = str(jaxhq.plan("hybrid:mxfp8:nvfp4", [role]))
     assert "path (row|col)" in text and "kernel+decoded|xla" in text
     expert = jaxhq.QuantizerRole("grouped_linear", "input", "moe.experts_0.fc1")  # an MoE expert's: the same
     assert "kernel+decoded|xla" in str(jaxhq.plan("hybrid:mxfp8:nvfp4", [expert]))
+    weight = jaxhq.QuantizerRole("linear", "weight", "layers_0.fc1")
+    path = lambda r: jaxhq.plan("mxfp8", [r]).rows[0].path  # noqa: E731
+    assert path(role) == "kernel+decoded|kernel+decoded" and path(weight) == "kernel+decoded|kernel"  # the default
     kernels_everywhere.setenv("JAXHQ_DECODED_RESIDUALS", "0")
-    assert "kernel+decoded|kernel" in str(jaxhq.plan("mxfp8", [role]))
+    assert path(role) == "kernel+decoded|kernel"
     kernels_everywhere.setenv("JAXHQ_DECODED_RESIDUALS", "1")  # the backward's copies saved decoded too
     assert "kernel+decoded|kernel+decoded" in str(jaxhq.plan("mxfp8", [role]))
-    assert "kernel+decoded|kernel+decoded" in str(jaxhq.plan("mxfp8", [jaxhq.QuantizerRole("linear", "weight", "layers_0.fc1")]))
+    assert "kernel+decoded|kernel+decoded" in str(jaxhq.plan("mxfp8", [weight]))
     kernels_everywhere.setenv("JAXHQ_DECODED", "0")
     assert "kernel|xla" in str(jaxhq.plan("hybrid:mxfp8:nvfp4", [role]))
     assert "kernel|kernel" in str(jaxhq.plan("mxfp8", [role]))

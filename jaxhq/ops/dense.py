@@ -122,10 +122,10 @@ def _forward(x, kernel, bias, states, key, kernel_amax, qs: DenseQuantizers, usa
     # travel first (sharded weights, sequence parallelism: gathered as quantized bytes); in the training forward,
     # so may the backward's copies that it saves (ops.gemm.saved_decoded).
     now = (ROWWISE,) if wsh is None and sp is None else ()
+    training = COLUMNWISE in usage_x  # (_dense_fwd asks for the backward's copies of both)
 
     def to_decode(slot):
-        saves = now and COLUMNWISE in usage_x
-        return now + (saved_decoded(getattr(qs, slot), slot, qs.weight) if saves else ())
+        return now + (saved_decoded(getattr(qs, slot), slot, qs.weight) if now and training else ())
     quantize_x = lambda usage, dec=(): _quantize(x2d, qs, "input", usage, kx, states.get("input"),  # noqa: E731
                                                  decoded=dec)
     # sequence parallel: each device quantizes its tokens, the copies are all-gathered as quantized bytes

@@ -120,9 +120,9 @@ def decoded_copies(quantizer, usage) -> tuple:
     9: a dequantize pass to bf16, then a bf16 GEMM) and the CPU handlers (JAXHQ_KERNELS=all), for the formats of
     DECODED_FAMILIES. Writing the values once saves the pass its read of the codes and a launch. The dense op asks
     this for the copies its GEMMs read at once (the forward's, the gradient's), and for the ones the backward
-    keeps only as saved_decoded says (codes are smaller). JAXHQ_DECODED=0 turns it off, 1 asks for it for MXFP8 and NVFP4 whatever
-    DECODED_FAMILIES holds (A/B timing and tests); a family whose GEMMs run on a wgmma kernel that reads codes
-    (JAXHQ_MXFP8_GEMM / JAXHQ_NVFP4_GEMM = wgmma) keeps its codes."""
+    keeps only as saved_decoded says (codes are smaller). JAXHQ_DECODED=0 turns it off, 1 asks for it for MXFP8
+    and NVFP4 whatever DECODED_FAMILIES holds (A/B timing and tests); a family whose GEMMs run on a wgmma kernel
+    that reads codes (JAXHQ_MXFP8_GEMM / JAXHQ_NVFP4_GEMM = wgmma) keeps its codes."""
     from ..formats.hybrid import side
     mode = os.environ.get("JAXHQ_DECODED", "auto")
     if mode not in ("auto", "0", "1"):
