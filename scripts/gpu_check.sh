@@ -8,7 +8,8 @@
 #   recheck: only the tests selected by RECHECK (a pytest -k expression over the FFI and dense-op tests)
 #   bench: (RECHECK first when set) the benchmarks named by BENCH (default "train peer gemm quantize"; also
 #          "quick": train_step.py --preset quick, QUICK_ARGS; "fsdp": benchmarks/fsdp.py --gpu over all local
-#          GPUs, FSDP_ARGS; "moe": benchmarks/moe_step.py, MOE_ARGS):
+#          GPUs, FSDP_ARGS; "moe": benchmarks/moe_step.py, MOE_ARGS; "counters": the quantize kernels' hardware
+#          counters under ncu, benchmarks/kernel_counters.py, COUNTERS_ARGS):
 #          train_step.py (every recipe against bf16; TRAIN_ARGS adds options, e.g. --paths), peer_fp8.py,
 #          (train, quick and gemm time their variants in ROUNDS alternating rounds, default 3)
 #          gemm.py (GEMM_ARGS) and quantize.py once per kernel variant in VARIANTS (default: the default one)
@@ -99,6 +100,9 @@ else
           | grep -v "top ops\|kernels by origin" | tail -22 ;;
       peer) log "peer_fp8"
         timeout ${PEER_TIMEOUT:-260} $PY benchmarks/peer_fp8.py ${PEER_ARGS:-} --out "$OUTDIR/peer_fp8.json" 2>&1 | tail -18 ;;
+      counters) log "kernel_counters ${COUNTERS_ARGS:-}"  # why each quantize kernel runs at its speed (ncu)
+        timeout ${COUNTERS_TIMEOUT:-300} $PY benchmarks/kernel_counters.py ${COUNTERS_ARGS:-} \
+          --out "$OUTDIR/kernel_counters.json" 2>&1 | tail -40 ;;
       fsdp) fsdp_bench ;;  # sharded steps (FSDP, TP, SP) over all local GPUs
       moe) log "moe_step ${MOE_ARGS:-}"  # one MoE layer per recipe and token dispatch
         timeout ${MOE_TIMEOUT:-300} $PY benchmarks/moe_step.py ${MOE_ARGS:-} --out "$OUTDIR/moe_step.json" 2>&1 | tail -14 ;;
