@@ -27,17 +27,15 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# The details page's metrics kept per kernel (name as ncu prints it -> key)
+# The details page's metrics kept per kernel (name as ncu prints it -> key); the duration's units to microseconds
 DETAILS = {"Duration": "us", "DRAM Throughput": "dram_pct", "Issue Slots Busy": "issue_pct",
            "Achieved Occupancy": "occupancy_pct", "Registers Per Thread": "registers",
            "Executed Ipc Active": "ipc", "No Eligible": "no_eligible_pct"}
+TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
 # Integer and logic opcodes: the ALU pipe (IMAD / IMUL run on the FMA pipe; FP32 min/max, compares and selects,
 # shifts, LEA, LOP3, PRMT and integer adds and compares on the ALU)
 ALU = {"LOP3", "SHF", "LEA", "IADD3", "VIADD", "VIMNMX", "VIMNMX3", "IMNMX", "FMNMX", "ISETP", "FSETP", "FSEL",
        "SEL", "PRMT", "PLOP3", "P2R", "R2P", "BMSK", "FLO", "POPC", "BREV", "SGXT", "IABS", "LOP", "FSET", "ISET"}
-
-
-TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
 
 
 def _number(text: str) -> float:

@@ -46,7 +46,7 @@ def test_details_keeps_each_kernels_figures():
     assert k[0] == dict(kernel=k[0]["kernel"], dram_pct=83.04, us=135.01, ipc=2.92, issue_pct=71.05,
                         top_pipe="ALU", top_pipe_pct=64.7, registers=64.0, occupancy_pct=45.49)
     assert k[1]["us"] == pytest.approx(1752740) and k[1]["no_eligible_pct"] == 35.62 and k[1]["top_pipe"] == "FMA"
-    assert "issue_pct" not in k[1]  # not printed for it: never taken from the kernel before
+    assert "issue_pct" not in k[1]  # a metric the page leaves out is absent, not the kernel before's
 
 
 def test_sass_counts_opcodes_the_alu_share_and_stalls():
