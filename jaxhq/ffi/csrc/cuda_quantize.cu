@@ -180,10 +180,9 @@ __device__ __forceinline__ void chunk_origin(int& cr_t, int& ch_t) {
   cr_t = 8 * w + (l & 7);
   ch_t = l >> 3;
 }
-__device__ __forceinline__ void chunk_of(int it, int& cr, int& ch) {
-  chunk_origin(cr, ch);
-  cr += 64 * (it & 1);
-  ch += 4 * (it >> 1);
+__device__ __forceinline__ void chunk_of(int it, int cr_t, int ch_t, int& cr, int& ch) {
+  cr = cr_t + 64 * (it & 1);
+  ch = ch_t + 4 * (it >> 1);
 }
 
 // Phase A of side s: chunk amaxes for the formats whose blocks span several chunks (a 1x16 NVFP4
@@ -196,9 +195,11 @@ __device__ __forceinline__ void chunk_amaxes(const Params& p, Smem<T>& sm, int s
   const bool rht = fmt == kNvfp4 && (sp.opts & kRHT);
   const bool bits = fmt == kNvfp4 || fmt == kMxfp8;
   const bool row_pairs = bits && reads_row_pairs<T>(sp, s);  // read_row_chunk_amax: the same amax
+  int cr_t, ch_t;
+  chunk_origin(cr_t, ch_t);
   for (int it = 0; it < kTile * kChunks / kThreads; ++it) {
     int cr, ch;
-    chunk_of(it, cr, ch);
+    chunk_of(it, cr_t, ch_t, cr, ch);
     float v[16];
     if (row_pairs) {
       sm.camax[s][cr * kChunks + ch] = read_row_chunk_amax(sm.tile, cr, ch, v);
@@ -261,7 +262,8 @@ __device__ __forceinline__ void encode_tile_side(const Params& p, const Smem<T>&
   const bool sums = rht_sums_only<T>(sp, ts);
   const float vscale = sums ? 0.25f : 1.0f;  // what the values read still lack
   for (int it = 0; it < kTile * kChunks / kThreads; ++it) {
-    const int cr = cr_t + 64 * (it & 1), ch = ch_t + 4 * (it >> 1);  // chunk_of
+    int cr, ch;
+    chunk_of(it, cr_t, ch_t, cr, ch);
     const int valid = to.cols_in - 16 * ch;  // the chunk's columns inside the copy
     if (cr >= to.rows_in || valid <= 0) continue;
     // the side's options, tested on `fmt` (known to the NVFP4-only instantiation); a rowwise NVFP4 1x16 chunk of a
