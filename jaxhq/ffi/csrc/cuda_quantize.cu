@@ -248,7 +248,7 @@ __device__ __forceinline__ void tile_out(const Params& p, TileOut& o, int s, int
 // the tile (32-bit), and what it needs of the tile's position is read from shared memory (TileOut), so a chunk
 // takes no more 64-bit index arithmetic than two multiply-adds for its NVFP4 addresses (the SASS formed both
 // addresses and the bounds checks from the block and batch indices per chunk, about 25 instructions).
-template <typename T, bool kSR, bool kDec, int kF>
+template <typename T, bool kSR, bool kDec, int kF, int kKnown, int kBits>
 __device__ __forceinline__ void encode_tile_side(const Params& p, const Smem<T>& sm, int s, int64_t b, int64_t r0,
                                                  int64_t c0, float ts) {
   const SideParams& sp = p.side[s];
@@ -268,7 +268,7 @@ __device__ __forceinline__ void encode_tile_side(const Params& p, const Smem<T>&
     if (cr >= to.rows_in || valid <= 0) continue;
     // the side's options, tested on `fmt` (known to the NVFP4-only instantiation); a rowwise NVFP4 1x16 chunk of a
     // 16-bit tile takes its values and amax together (read_row_chunk_amax: one_chunk_blocks and reads_row_pairs)
-    const int opts = sp.opts;
+    const int opts = (sp.opts & ~kKnown) | kBits;
     const bool rht = fmt == kNvfp4 && (opts & kRHT), two_d = fmt == kNvfp4 && (opts & kBlock2D);
     const bool row_pairs = fmt == kNvfp4 && sizeof(T) == 2 && s == 0 && !(opts & (kBlock2D | kRHT));
     float v[16];
@@ -289,7 +289,7 @@ __device__ __forceinline__ void encode_tile_side(const Params& p, const Smem<T>&
       a = sm.tamax[s];
     }
     const ChunkAt at{b, cr0 + cr, cc0 + 16 * ch, valid, &to, uint32_t(cr), uint32_t(ch)};
-    encode_chunk<16, T, kF, kSR, kDec>(p, s, at, a, ts, v, &srs, vscale);
+    encode_chunk<16, T, kF, kSR, kDec, kKnown, kBits>(p, s, at, a, ts, v, &srs, vscale);
   }
 }
 
@@ -297,7 +297,9 @@ __device__ __forceinline__ void encode_tile_side(const Params& p, const Smem<T>&
 // (likewise: that path's registers and code would cost the others). Five CTAs per SM (the shared memory allows five for
 // 16-bit inputs): 48 registers, no spills; four for the stochastic and decoded one (64 registers, no spills; at 48
 // it spilled 88 bytes).
-template <typename In, typename T, bool kSR, bool kDec, int kF>
+// kKnown, kBits0 / kBits1: option bits fixed per side at compile time (encode_chunk), for the launch that has an
+// instantiation of its own (launch_t).
+template <typename In, typename T, bool kSR, bool kDec, int kF, int kKnown = 0, int kBits0 = 0, int kBits1 = 0>
 __global__ void __launch_bounds__(kThreads, kSR && kDec ? 4 : 5) quantize_tile_kernel(Params p) {
   Smem<T>& sm = *dynamic_smem<Smem<T>>();
   // load_tile's path for whole tiles: measured (H100, 16384^2 bf16) 7-8% faster for the NVFP4 kernels writing codes
@@ -354,8 +356,8 @@ __global__ void __launch_bounds__(kThreads, kSR && kDec ? 4 : 5) quantize_tile_k
     }
   }
   __syncthreads();
-  encode_tile_side<T, kSR, kDec, kF>(p, sm, 0, b, r0, c0, ts[0]);
-  encode_tile_side<T, kSR, kDec, kF>(p, sm, 1, b, r0, c0, ts[1]);
+  encode_tile_side<T, kSR, kDec, kF, kKnown, kBits0>(p, sm, 0, b, r0, c0, ts[0]);
+  encode_tile_side<T, kSR, kDec, kF, kKnown, kBits1>(p, sm, 1, b, r0, c0, ts[1]);
 }
 
 // JAXHQ_QUANTIZE_VARIANT = registers (default) | alternating: the kernel the FFI handlers launch (the same
@@ -387,6 +389,17 @@ std::string launch_t(const Params& p, int64_t batch, cudaStream_t s) {
   dim3 grid(unsigned((p.k + kTile - 1) / kTile), unsigned((p.m + kTile - 1) / kTile), unsigned(batch));
   const auto nv = [](const SideParams& sp) { return sp.fmt == kNone || sp.fmt == kNvfp4; };
   if constexpr (sizeof(In) == 2) {
+    // The NVFP4 recipe's output gradients (both copies 1x16, stochastic and decoded, the columnwise one
+    // Hadamard-transformed): an instantiation with only that path (the one for every NVFP4 option is 22.8k
+    // instructions, and its warps waited on instruction fetch: docs/ffi.md).
+    constexpr int kKnown = kRHT | kBlock2D | kStochastic | kDecoded;
+    if (p.side[0].fmt == kNvfp4 && p.side[1].fmt == kNvfp4 && (p.side[0].opts & kKnown) == (kStochastic | kDecoded) &&
+        (p.side[1].opts & kKnown) == (kStochastic | kDecoded | kRHT)) {
+      launch_kernel(quantize_tile_kernel<In, T, true, true, kNvfp4, kKnown, kStochastic | kDecoded,
+                                         kStochastic | kDecoded | kRHT>,
+                    grid, dim3(kThreads), sizeof(Smem<T>), s, p);
+      return cuda_status();
+    }
     if (nv(p.side[0]) && nv(p.side[1])) {
       launch_f<In, T, kNvfp4>(p, grid, s);
       return cuda_status();

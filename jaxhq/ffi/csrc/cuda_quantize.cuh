@@ -320,11 +320,14 @@ __device__ __forceinline__ void write_scale_inv(const Params& p, int64_t b, cons
 constexpr int kAnyFormat = -1;
 // NVFP4 only: v may hold the values times 1 / vscale (a power of 2: the Hadamard sums before their factor 1/4),
 // which joins the encode multiplier instead (the caller makes sure that vscale * v and vscale * enc are exact).
-template <int N, typename T, int F = kAnyFormat, bool kMaySR = false, bool kMayDecode = false>
+// kKnown / kBits: option bits the caller fixes at compile time (kKnown: which; kBits: their values), so only their
+// path is emitted.
+template <int N, typename T, int F = kAnyFormat, bool kMaySR = false, bool kMayDecode = false, int kKnown = 0,
+          int kBits = 0>
 __device__ __forceinline__ void encode_chunk(const Params& p, int s, const ChunkAt& at, float amax, float tscale,
                                              const float (&v)[N], SrStream* srs = nullptr, float vscale = 1.0f) {
   const SideParams& sp = p.side[s];
-  const int fmt = F == kAnyFormat ? sp.fmt : F;
+  const int fmt = F == kAnyFormat ? sp.fmt : F, opts = (sp.opts & ~kKnown) | kBits;
   const int64_t C = sp.C, b = at.b, gr = at.gr, gc = at.gc;
   uint8_t* scale = sp.scale + b * sp.sbytes;
   if (fmt == kNvfp4) {
@@ -334,9 +337,9 @@ __device__ __forceinline__ void encode_chunk(const Params& p, int s, const Chunk
     *at.scale() = sbyte;
     const float enc = nvfp4_encode_mult(dec, tscale);
     // |v| <= amax, so amax * enc finite (not NaN) bounds every v * enc
-    const bool sr = sp.opts & kStochastic, finite = amax * enc <= 3.4e38f;
+    const bool sr = opts & kStochastic, finite = amax * enc <= 3.4e38f;
     const float mult = vscale * enc;  // (v * vscale) * enc, the same float: both products exact
-    if (kMayDecode && (sp.opts & kDecoded)) {  // the values (times the block's scale) instead of the codes
+    if (kMayDecode && (opts & kDecoded)) {  // the values (times the block's scale) instead of the codes
       uint32_t pairs[N / 2];
       nvfp4_elements<N, kMaySR, Values>(v, mult, sr, finite, srs, at, [&](int i, float a, float c) {
         pairs[i] = bf16x2_e2m1_times(a, c, dec);
