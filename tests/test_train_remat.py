@@ -47,13 +47,23 @@ def _residuals(policy):
 
 
 def test_quantized_policy_saves_only_quantized_copies():
+    from jaxhq.formats import MXFP8
+    from jaxhq.ops.gemm import saved_decoded
     saved = [(aval, why) for aval, why in _residuals(remat.quantized_residuals_policy())
              if "argument" not in str(why)]
     assert saved
+    # Where the GEMMs dequantize (Hopper, the CPU handlers), each dense op saves its input's columnwise copy
+    # decoded: the quantized values as bf16, [K, tokens] (ops.gemm.saved_decoded).
+    decoded_input = saved_decoded(MXFP8(), "input", MXFP8()) != ()
+    decoded = []
     for aval, why in saved:
         assert remat.QUANTIZED_RESIDUAL in str(why), (aval, why)
         low = aval.dtype.itemsize == 1  # FP8 data, packed FP4, E8M0 scales
-        assert low or aval.size <= 2 * 32 * 32 // 32 * 2, (aval, why)  # else only small fp32 scales / amaxes
+        if not low and aval.size > 2 * 32 * 32 // 32 * 2:  # else only small fp32 scales / amaxes
+            assert decoded_input and aval.dtype == jnp.bfloat16 and aval.shape[-1] == 2 * 32, (aval, why)
+            decoded.append(aval)
+    # the four dense ops' inputs (qkv, out, fc1: K 32; fc2: K d_ff 64), decoded or not at all
+    assert sorted(a.shape[0] for a in decoded) == ([32, 32, 32, 64] if decoded_input else [])
     saved_bytes = sum(a.size * a.dtype.itemsize for a, _ in saved)
     everything = _residuals(jax.checkpoint_policies.everything_saveable)
     plain = [(a, w) for a, w in everything if "argument" not in str(w)]
