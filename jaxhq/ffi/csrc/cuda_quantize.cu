@@ -268,7 +268,7 @@ __device__ __forceinline__ void encode_tile_side(const Params& p, const Smem<T>&
     if (cr >= to.rows_in || valid <= 0) continue;
     // the side's options, tested on `fmt` (known to the NVFP4-only instantiation); a rowwise NVFP4 1x16 chunk of a
     // 16-bit tile takes its values and amax together (read_row_chunk_amax: one_chunk_blocks and reads_row_pairs)
-    const int opts = (sp.opts & ~kKnown) | kBits;
+    const int opts = side_opts<kKnown, kBits>(sp);
     const bool rht = fmt == kNvfp4 && (opts & kRHT), two_d = fmt == kNvfp4 && (opts & kBlock2D);
     const bool row_pairs = fmt == kNvfp4 && sizeof(T) == 2 && s == 0 && !(opts & (kBlock2D | kRHT));
     float v[16];
@@ -370,12 +370,27 @@ int default_variant() {
   return v;
 }
 
+// The NVFP4 recipe's output gradients (both copies 1x16, stochastic and decoded, the columnwise one
+// Hadamard-transformed) have an instantiation with only their path, these option bits fixed (the one for every NVFP4
+// option is 22.8k instructions, and its warps waited on instruction fetch: docs/ffi.md).
+constexpr int kGradKnown = kRHT | kBlock2D | kStochastic | kDecoded;
+constexpr int kGradRow = kStochastic | kDecoded, kGradCol = kGradRow | kRHT;
+
+// The tile kernel's instantiation for the launch's options (kF: its sides' format, when one is known).
 template <typename In, typename T, int kF>
 void launch_f(const Params& p, dim3 grid, cudaStream_t s) {
   const bool sr = (p.side[0].fmt == kNvfp4 && (p.side[0].opts & kStochastic)) ||
                   (p.side[1].fmt == kNvfp4 && (p.side[1].opts & kStochastic));
   const bool dec = (p.side[0].opts | p.side[1].opts) & kDecoded;
   const size_t smem = sizeof(Smem<T>);
+  if constexpr (kF == kNvfp4) {
+    const auto has = [](const SideParams& sp, int bits) { return sp.fmt == kNvfp4 && (sp.opts & kGradKnown) == bits; };
+    if (has(p.side[0], kGradRow) && has(p.side[1], kGradCol)) {
+      launch_kernel(quantize_tile_kernel<In, T, true, true, kNvfp4, kGradKnown, kGradRow, kGradCol>, grid,
+                    dim3(kThreads), smem, s, p);
+      return;
+    }
+  }
   if (sr && dec) launch_kernel(quantize_tile_kernel<In, T, true, true, kF>, grid, dim3(kThreads), smem, s, p);
   else if (sr) launch_kernel(quantize_tile_kernel<In, T, true, false, kF>, grid, dim3(kThreads), smem, s, p);
   else if (dec) launch_kernel(quantize_tile_kernel<In, T, false, true, kF>, grid, dim3(kThreads), smem, s, p);
@@ -389,17 +404,6 @@ std::string launch_t(const Params& p, int64_t batch, cudaStream_t s) {
   dim3 grid(unsigned((p.k + kTile - 1) / kTile), unsigned((p.m + kTile - 1) / kTile), unsigned(batch));
   const auto nv = [](const SideParams& sp) { return sp.fmt == kNone || sp.fmt == kNvfp4; };
   if constexpr (sizeof(In) == 2) {
-    // The NVFP4 recipe's output gradients (both copies 1x16, stochastic and decoded, the columnwise one
-    // Hadamard-transformed): an instantiation with only that path (the one for every NVFP4 option is 22.8k
-    // instructions, and its warps waited on instruction fetch: docs/ffi.md).
-    constexpr int kKnown = kRHT | kBlock2D | kStochastic | kDecoded;
-    if (p.side[0].fmt == kNvfp4 && p.side[1].fmt == kNvfp4 && (p.side[0].opts & kKnown) == (kStochastic | kDecoded) &&
-        (p.side[1].opts & kKnown) == (kStochastic | kDecoded | kRHT)) {
-      launch_kernel(quantize_tile_kernel<In, T, true, true, kNvfp4, kKnown, kStochastic | kDecoded,
-                                         kStochastic | kDecoded | kRHT>,
-                    grid, dim3(kThreads), sizeof(Smem<T>), s, p);
-      return cuda_status();
-    }
     if (nv(p.side[0]) && nv(p.side[1])) {
       launch_f<In, T, kNvfp4>(p, grid, s);
       return cuda_status();

@@ -318,6 +318,11 @@ __device__ __forceinline__ void write_scale_inv(const Params& p, int64_t b, cons
 // when the caller fixes it at compile time (only that format's code is emitted), or kAnyFormat to read it from the
 // parameters; kMaySR: NVFP4 copies may round stochastically (nvfp4_elements).
 constexpr int kAnyFormat = -1;
+// A side's option bits, those in kKnown fixed at compile time to kBits (an instantiation for one option set).
+template <int kKnown, int kBits>
+__device__ __forceinline__ int side_opts(const SideParams& sp) {
+  return (sp.opts & ~kKnown) | kBits;
+}
 // NVFP4 only: v may hold the values times 1 / vscale (a power of 2: the Hadamard sums before their factor 1/4),
 // which joins the encode multiplier instead (the caller makes sure that vscale * v and vscale * enc are exact).
 // kKnown / kBits: option bits the caller fixes at compile time (kKnown: which; kBits: their values), so only their
@@ -327,7 +332,7 @@ template <int N, typename T, int F = kAnyFormat, bool kMaySR = false, bool kMayD
 __device__ __forceinline__ void encode_chunk(const Params& p, int s, const ChunkAt& at, float amax, float tscale,
                                              const float (&v)[N], SrStream* srs = nullptr, float vscale = 1.0f) {
   const SideParams& sp = p.side[s];
-  const int fmt = F == kAnyFormat ? sp.fmt : F, opts = (sp.opts & ~kKnown) | kBits;
+  const int fmt = F == kAnyFormat ? sp.fmt : F, opts = side_opts<kKnown, kBits>(sp);
   const int64_t C = sp.C, b = at.b, gr = at.gr, gc = at.gc;
   uint8_t* scale = sp.scale + b * sp.sbytes;
   if (fmt == kNvfp4) {
