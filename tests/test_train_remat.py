@@ -34,10 +34,13 @@ def test_unknown_policy_is_a_clear_error():
         remat.remat_layer(TransformerLayer, "some")
 
 
+BATCH, SEQ, D, D_FF = 2, 32, 32, 64  # the layer of _residuals
+
+
 def _residuals(policy):
     from jax._src.ad_checkpoint import saved_residuals
-    layer = TransformerLayer(num_heads=2, d_ff=64, recipe=S.named_recipe("mxfp8"))
-    x = jax.random.normal(jax.random.key(0), (2, 32, 32))
+    layer = TransformerLayer(num_heads=2, d_ff=D_FF, recipe=S.named_recipe("mxfp8"))
+    x = jax.random.normal(jax.random.key(0), (BATCH, SEQ, D))
     params = layer.init(jax.random.key(1), x)
 
     def f(p, x):
@@ -59,11 +62,11 @@ def test_quantized_policy_saves_only_quantized_copies():
     for aval, why in saved:
         assert remat.QUANTIZED_RESIDUAL in str(why), (aval, why)
         low = aval.dtype.itemsize == 1  # FP8 data, packed FP4, E8M0 scales
-        if not low and aval.size > 2 * 32 * 32 // 32 * 2:  # else only small fp32 scales / amaxes
-            assert decoded_input and aval.dtype == jnp.bfloat16 and aval.shape[-1] == 2 * 32, (aval, why)
+        if not low and aval.size > BATCH * SEQ * D // 32 * 2:  # else only small fp32 scales / amaxes
+            assert decoded_input and aval.dtype == jnp.bfloat16 and aval.shape[-1] == BATCH * SEQ, (aval, why)
             decoded.append(aval)
-    # the four dense ops' inputs (qkv, out, fc1: K 32; fc2: K d_ff 64), decoded or not at all
-    assert sorted(a.shape[0] for a in decoded) == ([32, 32, 32, 64] if decoded_input else [])
+    # the four dense ops' inputs (qkv, out, fc1: K = D; fc2: K = D_FF), decoded or not at all
+    assert sorted(a.shape[0] for a in decoded) == ([D, D, D, D_FF] if decoded_input else [])
     saved_bytes = sum(a.size * a.dtype.itemsize for a, _ in saved)
     everything = _residuals(jax.checkpoint_policies.everything_saveable)
     plain = [(a, w) for a, w in everything if "argument" not in str(w)]
